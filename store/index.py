@@ -1,0 +1,391 @@
+"""The node's LMDB index: where every block this node knows lives, and in what state.
+
+Named databases:
+- `blocks`: (24-byte key, 1-byte tier id) -> `Entry` record (state, location, size, checksum,
+  session, times, owner while PENDING). One entry per copy: a block in dram and on nvme has two.
+- `pending`: the (key, tier) pairs in state PENDING, so recovery never scans all blocks.
+- `tierstats`: tier id -> READY block count and bytes, kept in the same transactions.
+- `sessions`, `meta`, and tables that other modules open by name (`table()`).
+
+Two-phase writes: `reserve` (PENDING, owned by this process) -> bytes written -> `commit`
+(READY) or `abort`. Lookups see only READY entries. A PENDING entry whose owner process is
+dead was left by a crash; `recover()` (run on open) removes it and returns it so the tier can
+release the space. Several processes of one node may use one index at once (LMDB's own
+locking); each opens it after fork/spawn, never across: `Index` reopens itself in a new pid.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import lmdb
+
+from kvtier.store.errors import IndexError_, IndexFullError
+from kvtier.store.index_record import PENDING, READY, Entry, decode_entry, encode_entry, owner_alive
+from kvtier.store.keys import key_bytes
+from kvtier.store.units import format_size
+
+SCHEMA_VERSION = 1
+_DBS = ("blocks", "pending", "tierstats", "sessions", "meta")
+_MAX_DBS = 32
+
+
+class Index:
+    """A process-local handle on the node's LMDB index (thread-safe)."""
+
+    def __init__(self, path: str | os.PathLike[str], map_size_bytes: int = 1 << 30,
+                 max_map_size_bytes: int = 64 << 30, identity: str | None = None,
+                 recover: bool = True, readonly: bool = False):
+        self.path = Path(path)
+        self.max_map_size_bytes = max(max_map_size_bytes, map_size_bytes)
+        self._map_size = map_size_bytes
+        self._readonly = readonly
+        self._identity = identity
+        self._lock = threading.Condition()
+        self._active = 0
+        self._tier_ids: dict[str, int] = {}
+        self._open()
+        if recover and not readonly:
+            self.recover()
+
+    # ---- opening, growing, txns -------------------------------------------------------
+
+    def _open(self) -> None:
+        if not self._readonly:
+            try:
+                self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError as e:
+                raise IndexError_(f"cannot create index directory {self.path} ({e.strerror}); "
+                                  "set index.path to a writable directory") from None
+        elif not (self.path / "data.mdb").exists():
+            raise IndexError_(f"no kvtier index at {self.path}; check index.path in the policy")
+        try:
+            self._env = lmdb.open(str(self.path), map_size=self._map_size, max_dbs=_MAX_DBS,
+                                  max_readers=1024, readonly=self._readonly, lock=True,
+                                  readahead=False, meminit=False)
+        except lmdb.Error as e:
+            raise IndexError_(f"cannot open the index at {self.path}: {e}; check index.path "
+                              "and its permissions") from None
+        self._pid = os.getpid()
+        self._dbs = {name: self._env.open_db(name.encode(), create=not self._readonly)
+                     for name in _DBS}
+        self._extra: dict[str, object] = {}
+        self._map_size = self._env.info()["map_size"]
+        if not self._readonly:
+            self._check_meta()
+
+    def _check_meta(self) -> None:
+        with self.write() as txn:
+            db = self._dbs["meta"]
+            version = txn.get(b"schema_version", db=db)
+            if version is None:
+                txn.put(b"schema_version", str(SCHEMA_VERSION).encode(), db=db)
+            elif int(version) != SCHEMA_VERSION:
+                raise IndexError_(f"index at {self.path} has schema {int(version)}, this kvtier "
+                                  f"reads {SCHEMA_VERSION}; use a new index.path")
+            if self._identity is not None:
+                have = txn.get(b"identity", db=db)
+                if have is None:
+                    txn.put(b"identity", self._identity.encode(), db=db)
+                elif have.decode() != self._identity:
+                    raise IndexError_(f"index at {self.path} belongs to namespace "
+                                      f"{have.decode()!r}, the policy says {self._identity!r}; "
+                                      "point index.path elsewhere or fix namespace")
+
+    def _ensure_pid(self) -> None:
+        if os.getpid() != self._pid:
+            # An LMDB environment must never cross a fork: reopen in this process.
+            self._open()
+
+    @contextmanager
+    def _txn(self, write: bool) -> Iterator[lmdb.Transaction]:
+        self._ensure_pid()
+        with self._lock:
+            self._active += 1
+        try:
+            while True:
+                try:
+                    txn = self._env.begin(write=write)
+                    break
+                except lmdb.MapResizedError:
+                    self._env.set_mapsize(0)  # another process grew the map: adopt its size
+            with txn:
+                yield txn
+        finally:
+            with self._lock:
+                self._active -= 1
+                self._lock.notify_all()
+
+    def read(self):
+        """A read transaction (a context manager yielding `lmdb.Transaction`)."""
+        return self._txn(write=False)
+
+    def write(self):
+        """A write transaction; prefer `run_write` where the map may fill up."""
+        return self._txn(write=True)
+
+    def run_write(self, fn):
+        """Run `fn(txn)` in a write transaction, growing the map and retrying when full."""
+        while True:
+            try:
+                with self.write() as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                self._grow()
+
+    def _grow(self) -> None:
+        new = min(self._map_size * 2, self.max_map_size_bytes)
+        if new <= self._map_size:
+            raise IndexFullError(f"index at {self.path} is full ({format_size(self._map_size)}); "
+                                 "raise index.max_map_size or run `kvtier inspect gc`")
+        with self._lock:
+            while self._active:
+                self._lock.wait()
+            self._env.set_mapsize(new)
+            self._map_size = new
+
+    def close(self) -> None:
+        if os.getpid() == self._pid:
+            self._env.close()
+
+    def table(self, name: str, dupsort: bool = False):
+        """A named database for another module's metadata (e.g. nvme regions)."""
+        self._ensure_pid()
+        if name not in self._extra:
+            self._extra[name] = self._env.open_db(name.encode(), dupsort=dupsort,
+                                                  create=not self._readonly)
+        return self._extra[name]
+
+    def db(self, name: str):
+        return self._dbs[name]
+
+    @property
+    def map_size_bytes(self) -> int:
+        return self._map_size
+
+    # ---- tier ids ---------------------------------------------------------------------
+
+    def tier_id(self, name: str) -> int:
+        """The stable one-byte id of tier `name` in this index (allocated on first use)."""
+        if name in self._tier_ids:
+            return self._tier_ids[name]
+
+        def alloc(txn: lmdb.Transaction) -> int:
+            db = self._dbs["meta"]
+            found = txn.get(b"tier:" + name.encode(), db=db)
+            if found is not None:
+                return int(found)
+            used = {int(v) for k, v in txn.cursor(db=db) if k.startswith(b"tier:")}
+            new = next(i for i in range(1, 255) if i not in used)
+            txn.put(b"tier:" + name.encode(), str(new).encode(), db=db)
+            return new
+
+        self._tier_ids[name] = (self._lookup_tier_id(name) if self._readonly
+                                else self.run_write(alloc))
+        return self._tier_ids[name]
+
+    def _lookup_tier_id(self, name: str) -> int:
+        with self.read() as txn:
+            found = txn.get(b"tier:" + name.encode(), db=self._dbs["meta"])
+        return int(found) if found is not None else 255
+
+    def tier_names(self) -> dict[int, str]:
+        with self.read() as txn:
+            return {int(v): k[5:].decode() for k, v in txn.cursor(db=self._dbs["meta"])
+                    if k.startswith(b"tier:")}
+
+    # ---- the two-phase protocol -------------------------------------------------------
+
+    def reserve(self, entries: Sequence[Entry]) -> list[bool]:
+        """Mark entries PENDING, owned by this process. False where the (key, tier) exists."""
+        now, pid = time.time(), os.getpid()
+        ks = [self._k(e.key, e.tier) for e in entries]
+
+        def go(txn: lmdb.Transaction) -> list[bool]:
+            out = []
+            for e, k in zip(entries, ks):
+                if txn.get(k, db=self._dbs["blocks"]) is not None:
+                    out.append(False)
+                    continue
+                rec = e.replace(state=PENDING, owner_pid=pid, created=e.created or now,
+                                last_access=e.last_access or now)
+                txn.put(k, encode_entry(rec), db=self._dbs["blocks"])
+                txn.put(k, b"", db=self._dbs["pending"])
+                out.append(True)
+            return out
+
+        return self.run_write(go)
+
+    def commit(self, tier: str, keys: Iterable[str]) -> int:
+        """PENDING -> READY for `keys`; returns how many were committed."""
+        tid = self.tier_id(tier)
+
+        def go(txn: lmdb.Transaction) -> int:
+            n = nbytes = 0
+            for key in keys:
+                k = self._k(key, tid)
+                raw = txn.get(k, db=self._dbs["blocks"])
+                if raw is None:
+                    continue
+                e = decode_entry(raw, key, tier)
+                if e.state != PENDING:
+                    continue
+                txn.put(k, encode_entry(e.replace(state=READY, owner_pid=0)),
+                        db=self._dbs["blocks"])
+                txn.delete(k, db=self._dbs["pending"])
+                n, nbytes = n + 1, nbytes + e.size
+            self._bump(txn, tid, n, nbytes)
+            return n
+
+        return self.run_write(go)
+
+    def abort(self, tier: str, keys: Iterable[str]) -> list[Entry]:
+        """Drop PENDING entries for `keys` (READY ones stay); returns those dropped."""
+        return self._remove(tier, keys, only_state=PENDING)
+
+    def delete(self, tier: str, keys: Iterable[str]) -> list[Entry]:
+        """Drop entries of `keys` in any state; returns what was removed.
+
+        Callers free the bytes only after this returns (the transaction has committed).
+        """
+        return self._remove(tier, keys, only_state=None)
+
+    def _remove(self, tier: str, keys: Iterable[str], only_state: int | None) -> list[Entry]:
+        tid = self.tier_id(tier)
+
+        def go(txn: lmdb.Transaction) -> list[Entry]:
+            gone, nbytes = [], 0
+            for key in keys:
+                k = self._k(key, tid)
+                raw = txn.get(k, db=self._dbs["blocks"])
+                if raw is None:
+                    continue
+                e = decode_entry(raw, key, tier)
+                if only_state is not None and e.state != only_state:
+                    continue
+                txn.delete(k, db=self._dbs["blocks"])
+                txn.delete(k, db=self._dbs["pending"])
+                if e.state == READY:
+                    nbytes += e.size
+                gone.append(e)
+            ready = sum(1 for e in gone if e.state == READY)
+            self._bump(txn, tid, -ready, -nbytes)
+            return gone
+
+        return self.run_write(go)
+
+    def recover(self) -> list[Entry]:
+        """Remove PENDING entries whose owner process is gone; return them."""
+        names = self.tier_names()
+        with self.read() as txn:
+            stale = []
+            for k, _ in txn.cursor(db=self._dbs["pending"]):
+                raw = txn.get(k, db=self._dbs["blocks"])
+                if raw is None:
+                    stale.append((k, None))
+                    continue
+                e = decode_entry(raw, k[:24].hex(), names.get(k[24], "?"))
+                if not owner_alive(e.owner_pid, e.created):
+                    stale.append((k, e))
+        if not stale:
+            return []
+
+        def go(txn: lmdb.Transaction) -> list[Entry]:
+            out = []
+            for k, e in stale:
+                txn.delete(k, db=self._dbs["pending"])
+                raw = txn.get(k, db=self._dbs["blocks"])
+                if e is not None and raw is not None and decode_entry(raw).state == PENDING:
+                    txn.delete(k, db=self._dbs["blocks"])
+                    out.append(e)
+            return out
+
+        return self.run_write(go)
+
+    # ---- reads ------------------------------------------------------------------------
+
+    def get(self, tier: str, keys: Sequence[str], ready_only: bool = True) -> list[Entry | None]:
+        """The entry of each key in `tier` (None where absent, or PENDING and `ready_only`)."""
+        tid = self.tier_id(tier)
+        out: list[Entry | None] = []
+        with self.read() as txn:
+            for key in keys:
+                raw = txn.get(self._k(key, tid), db=self._dbs["blocks"])
+                e = decode_entry(raw, key, tier) if raw is not None else None
+                out.append(None if e is None or (ready_only and e.state != READY) else e)
+        return out
+
+    def locate(self, keys: Sequence[str]) -> list[dict[str, Entry]]:
+        """For each key, its READY copies by tier name, in one read transaction."""
+        names = self.tier_names()
+        out = []
+        with self.read() as txn:
+            cur = txn.cursor(db=self._dbs["blocks"])
+            for key in keys:
+                kb, found = key_bytes(key), {}
+                if cur.set_range(kb):
+                    for k, raw in cur:
+                        if k[:24] != kb:
+                            break
+                        e = decode_entry(raw, key, names.get(k[24], "?"))
+                        if e.state == READY:
+                            found[e.tier] = e
+                out.append(found)
+        return out
+
+    def scan(self, tier: str | None = None, states: tuple[int, ...] = (READY, PENDING)
+             ) -> Iterator[Entry]:
+        """Every entry (of one tier), in key order. Holds a read transaction while iterating."""
+        names = self.tier_names()
+        tid = self.tier_id(tier) if tier is not None else None
+        with self.read() as txn:
+            for k, raw in txn.cursor(db=self._dbs["blocks"]):
+                if tid is not None and k[24] != tid:
+                    continue
+                e = decode_entry(raw, k[:24].hex(), names.get(k[24], "?"))
+                if e.state in states:
+                    yield e
+
+    def touch(self, tier: str, keys: Sequence[str], when: float | None = None) -> None:
+        """Record an access (batched by callers; a write transaction per call)."""
+        tid, when = self.tier_id(tier), when or time.time()
+
+        def go(txn: lmdb.Transaction) -> None:
+            for key in keys:
+                k = self._k(key, tid)
+                raw = txn.get(k, db=self._dbs["blocks"])
+                if raw is not None:
+                    txn.put(k, encode_entry(decode_entry(raw, key, tier).replace(
+                        last_access=when)), db=self._dbs["blocks"])
+
+        self.run_write(go)
+
+    def tier_usage(self, tier: str) -> tuple[int, int]:
+        """(READY blocks, READY bytes) of `tier`, kept exactly by every commit and delete."""
+        with self.read() as txn:
+            raw = txn.get(bytes([self.tier_id(tier)]), db=self._dbs["tierstats"])
+        if raw is None:
+            return 0, 0
+        n, b = raw.decode().split(",")
+        return int(n), int(b)
+
+    def pending_count(self) -> int:
+        with self.read() as txn:
+            return txn.stat(self._dbs["pending"])["entries"]
+
+    def _bump(self, txn: lmdb.Transaction, tid: int, n: int, nbytes: int) -> None:
+        if not n and not nbytes:
+            return
+        k = bytes([tid])
+        raw = txn.get(k, db=self._dbs["tierstats"])
+        cn, cb = (map(int, raw.decode().split(","))) if raw else (0, 0)
+        txn.put(k, f"{cn + n},{cb + nbytes}".encode(), db=self._dbs["tierstats"])
+
+    def _k(self, key: str, tier: str | int) -> bytes:
+        tid = tier if isinstance(tier, int) else self.tier_id(tier)
+        return key_bytes(key) + bytes([tid])

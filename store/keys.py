@@ -1,0 +1,107 @@
+"""Block keys: a namespace fingerprint plus a chained prefix hash per chunk of tokens.
+
+A key is 48 lowercase hex characters: 16 for the namespace fingerprint, 32 for the chained
+hash of the chunk and of every chunk before it. Equal keys mean equal token prefixes under
+equal model, dtype, KV layout and parallel rank, on any machine and in any process: the hash
+is blake2b over fixed-width little-endian token ids, never Python's salted `hash()`, so
+`PYTHONHASHSEED` does not matter. Hex keys are safe as Mooncake keys and as file names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+NS_HEX = 16
+CHAIN_HEX = 32
+KEY_HEX = NS_HEX + CHAIN_HEX
+_CHAIN_BYTES = CHAIN_HEX // 2
+_PERSON = b"kvtier-chain-v1"
+_HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that changes the bytes of a block. Two caches share blocks only if equal."""
+
+    model: str
+    dtype: str = "auto"
+    layout: str = "auto"
+    block_size: int = 16
+    chunk_tokens: int = 256
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tenant: str = "default"
+
+    def fingerprint(self) -> str:
+        """16 hex characters that identify this namespace (stable across versions of Python)."""
+        canon = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.blake2b(canon, digest_size=NS_HEX // 2, person=b"kvtier-ns-v1").hexdigest()
+
+
+def chunk_hashes(tokens: Sequence[int] | np.ndarray, chunk_tokens: int,
+                 salt: bytes = b"") -> list[bytes]:
+    """Chained 16-byte hashes, one per full chunk of `tokens`; a partial tail has none.
+
+    `salt` separates prefixes that share tokens but not meaning (LoRA adapter, cache salt).
+    """
+    arr = np.ascontiguousarray(np.asarray(tokens, dtype="<u4"))
+    n_full = len(arr) // chunk_tokens
+    parent = hashlib.blake2b(salt, digest_size=_CHAIN_BYTES, person=_PERSON).digest()
+    out: list[bytes] = []
+    data = arr[: n_full * chunk_tokens].tobytes()
+    step = chunk_tokens * 4
+    for i in range(n_full):
+        parent = hashlib.blake2b(parent + data[i * step:(i + 1) * step],
+                                 digest_size=_CHAIN_BYTES, person=_PERSON).digest()
+        out.append(parent)
+    return out
+
+
+def id_chain_hashes(ids: Iterable[int | str], salt: bytes = b"") -> list[bytes]:
+    """Chained hashes over opaque block ids (trace replay: the ids stand for chunks)."""
+    parent = hashlib.blake2b(salt, digest_size=_CHAIN_BYTES, person=_PERSON).digest()
+    out = []
+    for block_id in ids:
+        parent = hashlib.blake2b(parent + str(block_id).encode(), digest_size=_CHAIN_BYTES,
+                                 person=_PERSON).digest()
+        out.append(parent)
+    return out
+
+
+def make_keys(ns_fingerprint: str, chain: Iterable[bytes]) -> list[str]:
+    """Join a namespace fingerprint with chained hashes into hex keys."""
+    return [ns_fingerprint + h.hex() for h in chain]
+
+
+def block_keys(ns: Namespace, tokens: Sequence[int] | np.ndarray, salt: bytes = b"") -> list[str]:
+    """The keys of every full chunk of `tokens` in namespace `ns`."""
+    return make_keys(ns.fingerprint(), chunk_hashes(tokens, ns.chunk_tokens, salt))
+
+
+def is_key(key: object) -> bool:
+    """True if `key` is a well-formed block key (48 lowercase hex characters)."""
+    return isinstance(key, str) and len(key) == KEY_HEX and set(key) <= _HEX
+
+
+def check_key(key: object) -> str:
+    """Return `key` if it is well formed; raise ValueError otherwise (no path can escape)."""
+    if not is_key(key):
+        raise ValueError(f"not a kvtier block key (48 lowercase hex characters): {key!r}")
+    return key  # type: ignore[return-value]
+
+
+def key_namespace(key: str) -> str:
+    """The namespace fingerprint part of a key."""
+    return key[:NS_HEX]
+
+
+def key_bytes(key: str) -> bytes:
+    """The 24 raw bytes of a key (index keys)."""
+    return bytes.fromhex(key)

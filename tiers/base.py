@@ -1,0 +1,112 @@
+"""The storage-tier contract: a dumb, batched byte store of sealed block frames.
+
+A frame is a block as stored (`kvtier.store.block`): a 64-byte header naming the key and
+checksumming the payload, then the payload. Tiers never interpret payloads.
+
+Primitives (batched only; a miss is a value, never an exception):
+- `contains(keys) -> list[bool]`
+- `put(keys, frames) -> list[bool]`: True where the key is now stored (or already was).
+- `get(keys, outs) -> list[int]`: payload length read into `outs[i]` (the whole frame lands at
+  `outs[i][0:HEADER_SIZE + n]`), or `MISS`.
+- `delete(keys) -> int`: how many were removed.
+- `capacity_bytes`, `used_bytes()`, `counters()`, `close()`.
+
+Callers guarantee:
+- keys are well-formed block keys (`keys.check_key`); `frames[i]` is sealed for `keys[i]`;
+- `outs[i]` is writable and at least as long as the stored frame (the namespace fixes it);
+- buffers stay alive and unmodified until the call returns.
+
+Implementations MUST:
+- make each put atomic per key: a concurrent or later reader sees the whole frame or a miss,
+  never a torn one, in this process and in every other process sharing the tier;
+- verify every frame on read (header, key, length, checksum). A frame that fails is counted
+  in `corrupt`, quarantined (deleted or moved aside, and dropped from the index) and reported
+  as `MISS`: bad bytes are never returned;
+- on a full tier, make room by their own reclaim where the contract of the tier allows it
+  (nvme reclaims whole regions); where nothing can be freed (disk full, pool full with
+  nothing evictable) raise `TierFullError` with `.stored` naming the keys of the batch that
+  were stored before it, leaving no torn block, and keep serving reads;
+- raise `TierUnavailableError` when the backend cannot be reached, and recover by themselves
+  when it returns (no process restart);
+- be safe for concurrent calls from several threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+from kvtier.store.errors import TierFullError
+
+MISS = -1
+
+
+@dataclass
+class TierCounters:
+    """Monotonic counters of one tier in this process."""
+
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    puts: int = 0
+    deletes: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+
+
+class Tier(ABC):
+    """One storage tier. Subclasses hold one backend; see the module docstring."""
+
+    kind: str = ""
+
+    def __init__(self, name: str, capacity_bytes: int):
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self.stats = TierCounters()
+
+    @abstractmethod
+    def contains(self, keys: Sequence[str]) -> list[bool]: ...
+
+    @abstractmethod
+    def put(self, keys: Sequence[str], frames: Sequence[memoryview]) -> list[bool]: ...
+
+    @abstractmethod
+    def get(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int]: ...
+
+    @abstractmethod
+    def delete(self, keys: Sequence[str]) -> int: ...
+
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    def counters(self) -> dict[str, int]:
+        return self.stats.snapshot()
+
+    def close(self) -> None:
+        """Release the backend; further calls are errors. Idempotent."""
+
+    def __enter__(self) -> "Tier":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def full_error(tier: str, reason: str, fix: str, stored: Sequence[str]) -> TierFullError:
+    """A TierFullError whose `.stored` lists the keys the batch stored before it filled up."""
+    err = TierFullError(f"tier {tier!r} is full ({reason}); {fix}")
+    err.stored = list(stored)  # type: ignore[attr-defined]
+    return err

@@ -1,0 +1,45 @@
+"""The `kvtier` command line. Each command group lives in its own module under `tools/`."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from kvtier.store.errors import ConfigError, KVTierError
+from kvtier.tools import cli_config, cli_inspect, cli_master
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="kvtier: a tiered KV-cache store for agentic LLM serving.")
+app.add_typer(cli_config.app, name="config")
+app.add_typer(cli_inspect.app, name="inspect")
+app.command("master")(cli_master.master)
+app.command("demo")(cli_master.demo)
+
+
+def main() -> None:
+    """Entry point: run the app; kvtier's own errors print one line, not a traceback."""
+    try:
+        app(standalone_mode=False)
+    except ConfigError as e:
+        print(f"kvtier: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KVTierError as e:
+        print(f"kvtier: {e}", file=sys.stderr)
+        sys.exit(1)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("kvtier: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # click usage errors carry their own exit code
+        code = getattr(e, "exit_code", None)
+        if code is None:
+            raise
+        if hasattr(e, "show"):
+            e.show()
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
