@@ -13,11 +13,13 @@ them as sizes (`512MiB`) and rates (`2TiB/day`).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      ValidationError, model_validator)
 
 from kvtier.store.config_errors import format_validation_error
 from kvtier.store.errors import ConfigError
@@ -25,6 +27,23 @@ from kvtier.store.policies import ADMISSION_KINDS, EVICTION_KINDS, AdmissionConf
 from kvtier.store.units import parse_rate, parse_size
 
 Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+def _matching(pattern: str, expected: str):
+    regex = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if not regex.fullmatch(value):
+            raise ValueError(f"expected {expected}, got {value!r}")
+        return value
+
+    return AfterValidator(check)
+
+
+Address = Annotated[str, _matching(r"[^:\s/]+:[0-9]{1,5}", "HOST:PORT like '127.0.0.1:50051'")]
+TierName = Annotated[str, _matching(r"[a-z][a-z0-9_-]{0,31}",
+                                    "a lowercase name like 'dram' or 'nvme0' (a-z, 0-9, _ or -)")]
+Tenant = Annotated[str, _matching(r"[A-Za-z0-9_.-]{1,64}", "letters, digits, '.', '_' or '-'")]
 Rate = Annotated[float, BeforeValidator(parse_rate)]
 _FROZEN = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -39,7 +58,7 @@ class NamespaceConfig(BaseModel):
 
     model_config = _FROZEN
     model: str | None = None
-    tenant: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    tenant: Tenant = "default"
 
 
 class IndexConfig(BaseModel):
@@ -59,7 +78,7 @@ class MasterConfig(BaseModel):
     """Where the Mooncake master answers, and the flags kvtier starts it with when embedded."""
 
     model_config = _FROZEN
-    address: str = Field(default="127.0.0.1:50051", pattern=r"^[^:\s]+:[0-9]{1,5}$")
+    address: Address = "127.0.0.1:50051"
     embedded: bool = True
     metadata_server: str = "P2PHANDSHAKE"
     start_timeout_s: float = Field(default=20.0, gt=0)
@@ -83,7 +102,7 @@ class MooncakeTierConfig(BaseModel):
 
     model_config = _FROZEN
     kind: Literal["mooncake"]
-    name: str = Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")
+    name: TierName
     capacity_bytes: Size = Field(alias="capacity", gt=0)
     protocol: Literal["tcp", "rdma"] = "tcp"
     device: str = ""
@@ -108,7 +127,7 @@ class NvmeTierConfig(BaseModel):
 
     model_config = _FROZEN
     kind: Literal["nvme"]
-    name: str = Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")
+    name: TierName
     path: Path
     capacity_bytes: Size = Field(alias="capacity", gt=0)
     region_bytes: Size = Field(default=64 << 20, alias="region_size", gt=0)
@@ -129,7 +148,7 @@ class SharedFSTierConfig(BaseModel):
 
     model_config = _FROZEN
     kind: Literal["sharedfs"]
-    name: str = Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")
+    name: TierName
     path: Path
     capacity_bytes: Size = Field(alias="capacity", gt=0)
     fsync: bool = True

@@ -99,7 +99,10 @@ class Index:
 
     def _ensure_pid(self) -> None:
         if os.getpid() != self._pid:
-            # An LMDB environment must never cross a fork: reopen in this process.
+            # An LMDB environment must never be used across a fork. Closing the inherited
+            # handle in the child is safe (mdb_env_close clears only this pid's reader slots,
+            # and fcntl locks are not inherited); then the child opens its own.
+            self._env.close()
             self._open()
 
     @contextmanager

@@ -10,6 +10,7 @@ answers, under a file lock so two processes starting at once end up on one maste
 from __future__ import annotations
 
 import atexit
+import ctypes
 import fcntl
 import os
 import shutil
@@ -58,6 +59,14 @@ def check_shared_libraries(binary: Path) -> None:
     if missing:
         raise MasterError(f"{binary.name} cannot load {', '.join(missing)}; install the Debian "
                           f"packages: apt-get install {DEBIAN_PACKAGES}")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the owning process dies, however it dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the owner died before prctl took effect
+        os._exit(1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -125,8 +134,11 @@ class EmbeddedMaster:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self._log = log if self.log_path else None
         try:
+            # The owner's death ends the master: no orphan keeps ports or memory, and the
+            # processes that joined it start a new one (ensure_master) when they notice.
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
         except OSError as e:
             raise MasterError(f"cannot run {binary}: {e.strerror}; reinstall: {INSTALL_HINT}"
                               ) from None
@@ -187,8 +199,11 @@ class EmbeddedMaster:
 def ensure_master(cfg: MasterConfig, lock_dir: Path | None = None) -> EmbeddedMaster | None:
     """Join the master at `cfg.address`, or start and own one when none answers.
 
-    Returns the owned master (stopped at interpreter exit), or None when joining another's.
-    With `embedded: false`, a master that does not answer is an error.
+    Returns the owned master, or None when joining another's. An owned master lives as long as
+    its owner: it is stopped at interpreter exit and killed by the kernel if the owner dies
+    (PR_SET_PDEATHSIG); processes that joined it see the tier go unavailable and call this
+    again, so one of them becomes the new owner. With `embedded: false`, a master that does
+    not answer is an error.
     """
     if master_answers(cfg.address):
         return None

@@ -1,0 +1,91 @@
+"""Shared fixtures: a real mooncake_master on 127.0.0.1, temporary kvtier homes, policies.
+
+Every server binds loopback on a free port; every fixture stops what it starts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvtier.store.config import MasterConfig, policy_from_dict
+from kvtier.store.master import EmbeddedMaster, free_port
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="run the long variants too")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="long variant: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    """Each test gets its own KVTIER_HOME, so no test touches ~/.cache/kvtier."""
+    home = tmp_path / "kvtier-home"
+    monkeypatch.setenv("KVTIER_HOME", str(home))
+    return home
+
+
+def start_master(tmp_path: Path, **cfg) -> EmbeddedMaster:
+    port = free_port()
+    master = EmbeddedMaster(MasterConfig(address=f"127.0.0.1:{port}", **cfg),
+                            log_path=tmp_path / f"master-{port}.log")
+    return master.start()
+
+
+@pytest.fixture
+def mooncake_master(tmp_path):
+    """A fresh mooncake_master on a free loopback port, stopped after the test."""
+    master = start_master(tmp_path)
+    yield master
+    master.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_master(tmp_path_factory):
+    """One master for a whole test module (cheaper when tests do not restart it)."""
+    master = start_master(tmp_path_factory.mktemp("master"))
+    yield master
+    master.stop()
+
+
+def make_policy(root: Path, master_address: str = "127.0.0.1:1", **overrides):
+    """A small three-tier policy under `root` (tests override what they need)."""
+    data = {
+        "chunk_tokens": 16,
+        "index": {"path": str(root / "index"), "map_size": "64MiB"},
+        "master": {"address": master_address, "embedded": False},
+        "tiers": [
+            {"name": "dram", "kind": "mooncake", "capacity": "64MiB", "buffer": "32MiB",
+             "staging": "32MiB"},
+            {"name": "nvme", "kind": "nvme", "path": str(root / "nvme"), "capacity": "64MiB",
+             "region_size": "4MiB"},
+            {"name": "shared", "kind": "sharedfs", "path": str(root / "shared"),
+             "capacity": "128MiB"},
+        ],
+    }
+    data.update(overrides)
+    return policy_from_dict(data, source="<test policy>")
+
+
+@pytest.fixture
+def policy_factory(tmp_path):
+    return lambda **kw: make_policy(tmp_path, **kw)
+
+
+def venv_python() -> str:
+    """The interpreter running the tests, for child processes."""
+    import sys
+    return sys.executable
+
+
+os.environ.setdefault("GLOG_minloglevel", "2")  # keep Mooncake's glog chatter out of test logs

@@ -1,0 +1,90 @@
+"""Block frames: round trips, and every kind of corruption is detected (hypothesis)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.store import block
+from kvtier.store.errors import CorruptBlockError
+
+KEY = "0123456789abcdef" + "ab" * 16
+OTHER_NS = "fedcba9876543210" + KEY[16:]
+OTHER_CHAIN = KEY[:16] + "cd" * 16
+
+
+@given(st.binary(max_size=5000))
+def test_round_trip(payload):
+    frame = block.encode(KEY, payload)
+    header = block.verify(frame, KEY)
+    assert header.payload_len == len(payload) and header.key == KEY
+    assert bytes(block.payload(frame)) == payload
+
+
+def test_seal_in_place_with_padding():
+    frame = block.alloc_aligned(block.frame_size(10_000, block.PAGE))
+    frame[block.HEADER_SIZE:block.HEADER_SIZE + 10_000] = b"z" * 10_000
+    block.seal(frame, KEY, 10_000)
+    assert len(frame) % block.PAGE == 0
+    assert block.verify(frame, KEY).payload_len == 10_000  # padding after the payload is fine
+
+
+@settings(max_examples=300)
+@given(st.binary(min_size=1, max_size=2000), st.data())
+def test_any_single_bit_flip_is_detected(payload, data):
+    frame = block.encode(KEY, payload)
+    bit = data.draw(st.integers(0, len(frame) * 8 - 1))
+    frame[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(CorruptBlockError):
+        block.verify(frame, KEY)
+
+
+@given(st.binary(min_size=1, max_size=2000), st.data())
+def test_truncation_is_detected(payload, data):
+    frame = block.encode(KEY, payload)
+    cut = data.draw(st.integers(0, len(frame) - 1))
+    with pytest.raises(CorruptBlockError, match="truncated"):
+        block.verify(frame[:cut], KEY)
+    with pytest.raises(CorruptBlockError, match="truncated"):
+        block.verify(frame, KEY, length=cut)
+
+
+@given(st.binary(max_size=block.HEADER_SIZE * 3))
+def test_garbage_never_verifies(junk):
+    with pytest.raises(CorruptBlockError):
+        block.verify(junk, KEY)
+
+
+def test_wrong_namespace_and_wrong_key():
+    frame = block.encode(KEY, b"payload")
+    with pytest.raises(CorruptBlockError, match="another namespace"):
+        block.verify(frame, OTHER_NS)
+    with pytest.raises(CorruptBlockError, match="another key"):
+        block.verify(frame, OTHER_CHAIN)
+
+
+def test_wrong_header_fields():
+    frame = block.encode(KEY, b"payload")
+    bad_magic = bytearray(frame)
+    bad_magic[:4] = b"XXXX"
+    with pytest.raises(CorruptBlockError, match="bad magic"):
+        block.verify(bad_magic, KEY)
+    zeros = bytes(len(frame))
+    with pytest.raises(CorruptBlockError):
+        block.verify(zeros, KEY)
+
+
+def test_future_version_is_refused():
+    import struct
+    import xxhash
+    frame = block.encode(KEY, b"p")
+    frame[4:6] = struct.pack("<H", 99)
+    frame[60:64] = struct.pack("<I", xxhash.xxh32_intdigest(bytes(frame[:60])))
+    with pytest.raises(CorruptBlockError, match="version 99"):
+        block.verify(frame, KEY)
+
+
+def test_frame_too_small_to_seal():
+    with pytest.raises(ValueError, match="cannot hold"):
+        block.seal(bytearray(70), KEY, 100)

@@ -1,0 +1,176 @@
+"""The policy schema: good files resolve, every bad file fails with one line naming the field."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from kvtier.store.config import load_policy, policy_from_dict
+from kvtier.store.errors import ConfigError
+
+
+def base(tmp_path):
+    return {
+        "namespace": {"model": "tiny-llama"},
+        "chunk_tokens": 256,
+        "index": {"path": str(tmp_path / "index"), "map_size": "8MiB"},
+        "master": {"address": "127.0.0.1:50051", "embedded": True},
+        "tiers": [
+            {"name": "dram", "kind": "mooncake", "capacity": "512MiB", "protocol": "tcp"},
+            {"name": "nvme", "kind": "nvme", "path": str(tmp_path / "nvme"), "capacity": "4TiB",
+             "io": {"engine": "uring", "queue_depth": 64}},
+            {"name": "shared", "kind": "sharedfs", "path": str(tmp_path / "shared"),
+             "capacity": "50TiB"},
+        ],
+        "eviction": {"kind": "lru"},
+        "admission": {"nvme_write_budget": "2TiB/day"},
+    }
+
+
+def write(tmp_path, data, name="policy.yaml"):
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def test_design_sketch_policy_resolves(tmp_path):
+    policy = load_policy(write(tmp_path, base(tmp_path)))
+    assert policy.tiers[0].capacity_bytes == 512 * 2**20
+    assert policy.tiers[1].capacity_bytes == 4 * 2**40
+    assert policy.tiers[1].io.queue_depth == 64
+    assert policy.admission.kind == "reuse"
+    assert policy.admission.nvme_write_budget_bps == pytest.approx(2 * 2**40 / 86400)
+    assert policy.index.map_size_bytes == 8 * 2**20
+    with pytest.raises(Exception):
+        policy.chunk_tokens = 1  # frozen
+
+
+def test_default_policy_needs_no_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVTIER_HOME", str(tmp_path / "home"))
+    policy = load_policy(None)
+    assert policy.master.address == "127.0.0.1:50051" and policy.master.embedded
+    assert [t.kind for t in policy.tiers] == ["mooncake", "nvme", "sharedfs"]
+    assert str(policy.tiers[1].path).startswith(str(tmp_path / "home"))
+    assert str(policy.index.path).startswith(str(tmp_path / "home"))
+
+
+def test_relative_paths_resolve_against_the_policy_file(tmp_path):
+    data = base(tmp_path)
+    data["tiers"][1]["path"] = "disk/nvme"
+    policy = load_policy(write(tmp_path, data))
+    assert policy.tiers[1].path == tmp_path / "disk" / "nvme"
+
+
+def _set(data, path, value):
+    cur = data
+    for part in path[:-1]:
+        cur = cur[part]
+    if value is DELETE:
+        del cur[path[-1]]
+    else:
+        cur[path[-1]] = value
+
+
+DELETE = object()
+
+# (change, field path the message must name, a word the message must contain)
+BAD = [
+    (("bogus",), 1, "bogus", "unknown field"),
+    (("tiers", 1, "colour"), "blue", "tiers[1].colour", "unknown field"),
+    (("chunk_tokens",), "many", "chunk_tokens", "integer"),
+    (("chunk_tokens",), 0, "chunk_tokens", "greater than"),
+    (("tiers", 0, "capacity"), "-3GB", "tiers[0].capacity", "size"),
+    (("tiers", 1, "capacity"), "lots", "tiers[1].capacity", "size"),
+    (("tiers", 2, "capacity"), "12XB", "tiers[2].capacity", "size"),
+    (("tiers", 1, "name"), "dram", "tiers[1].name", "duplicate"),
+    (("tiers", 1, "kind"), "floppy", "tiers[1]", "unknown kind"),
+    (("tiers", 1, "path"), DELETE, "tiers[1].path", "missing"),
+    (("tiers", 2, "kind"), DELETE, "tiers[2]", "kind"),
+    (("tiers", 0, "protocol"), "udp", "tiers[0].protocol", "tcp"),
+    (("tiers", 1, "io", "engine"), "aio", "tiers[1].io.engine", "uring"),
+    (("tiers", 1, "io", "queue_depth"), -1, "tiers[1].io.queue_depth", "greater"),
+    (("eviction", "kind"), "random", "eviction", "unknown kind"),
+    (("admission", "nvme_write_budget"), "2TiB", "admission.nvme_write_budget", "rate"),
+    (("admission", "nvme_write_budget"), "2TiB/fortnight", "admission.nvme_write_budget", "rate"),
+    (("master", "address"), "localhost", "master.address", "HOST:PORT"),
+    (("master", "embedded"), "perhaps", "master.embedded", "boolean"),
+    (("index", "map_size"), "0", "index.map_size", "greater"),
+    (("index",), DELETE, None, None),  # the index path defaults: this one must pass
+    (("namespace", "tenant"), "a/b", "namespace.tenant", "letters"),
+    (("tiers",), [], "tiers", "at least 1"),
+    (("tiers", 1, "region_size"), "1000", "tiers[1]", "4KiB"),
+]
+
+
+@pytest.mark.parametrize("path,value,field,word", BAD, ids=[".".join(map(str, b[0])) + "=" +
+                                                           str(b[1])[:12] for b in BAD])
+def test_bad_policy_names_the_field(tmp_path, path, value, field, word):
+    data = base(tmp_path)
+    _set(data, path, value)
+    file = write(tmp_path, data)
+    if field is None:
+        load_policy(file)
+        return
+    with pytest.raises(ConfigError) as info:
+        load_policy(file)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith(str(file) + ": ")
+    assert f": {field}" in msg, msg
+    assert word.lower() in msg.lower(), msg
+
+
+def test_tiers_out_of_order(tmp_path):
+    data = base(tmp_path)
+    data["tiers"] = [data["tiers"][1], data["tiers"][0], data["tiers"][2]]
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.kind: tiers must go fastest first"):
+        load_policy(write(tmp_path, data))
+
+
+def test_two_tiers_on_one_path(tmp_path):
+    data = base(tmp_path)
+    data["tiers"][2]["path"] = data["tiers"][1]["path"]
+    with pytest.raises(ConfigError, match=r"tiers\[2\]\.path: same path as tier 'nvme'"):
+        load_policy(write(tmp_path, data))
+
+
+@pytest.mark.parametrize("text,word", [
+    ("tiers: [unclosed", "not valid YAML at line"),
+    ("- just\n- a list\n", "expected a mapping"),
+    ("chunk_tokens: 1\n\tbad: tab", "not valid YAML"),
+])
+def test_unparsable_files(tmp_path, text, word):
+    with pytest.raises(ConfigError, match=word):
+        load_policy(write(tmp_path, text))
+
+
+def test_missing_file_names_path_and_fix(tmp_path):
+    with pytest.raises(ConfigError, match="no such policy file"):
+        load_policy(tmp_path / "nope.yaml")
+
+
+def test_inline_policy_reports_its_source():
+    with pytest.raises(ConfigError, match=r"^<inline policy>: tiers: required field"):
+        policy_from_dict({"chunk_tokens": 16})
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "kvtier.tools.cli", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_config_check(tmp_path):
+    good = write(tmp_path, base(tmp_path))
+    out = _cli("config", "check", str(good), "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["tiers"][1]["capacity_bytes"] == 4 * 2**40
+    bad = base(tmp_path)
+    bad["tiers"][0]["capacity"] = "huge"
+    out = _cli("config", "check", str(write(tmp_path, bad, "bad.yaml")))
+    assert out.returncode == 2
+    assert "tiers[0].capacity" in out.stderr and out.stderr.count("\n") == 1

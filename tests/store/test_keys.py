@@ -1,0 +1,77 @@
+"""Keys are deterministic across processes and hash seeds, and separate namespaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvtier.store.keys import (KEY_HEX, Namespace, block_keys, check_key, chunk_hashes,
+                               id_chain_hashes, is_key, key_namespace)
+
+SCRIPT = """
+import json, sys
+from kvtier.store.keys import Namespace, block_keys, id_chain_hashes
+ns = Namespace(model="m", dtype="bfloat16", tp_rank=1, tp_size=2, chunk_tokens=16)
+toks = list(range(1000, 1100))
+print(json.dumps({"keys": block_keys(ns, toks, salt=b"lora-a"),
+                  "ids": [h.hex() for h in id_chain_hashes([5, "x", 7])]}))
+"""
+
+
+def run_with_seed(seed: str) -> dict:
+    env = {**os.environ, "PYTHONHASHSEED": seed}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def test_keys_are_the_same_in_processes_with_different_hash_seeds():
+    a, b = run_with_seed("1"), run_with_seed("987654")
+    assert a["keys"] == b["keys"] and len(a["keys"]) == 6
+    assert a["ids"] == b["ids"]
+    ns = Namespace(model="m", dtype="bfloat16", tp_rank=1, tp_size=2, chunk_tokens=16)
+    assert block_keys(ns, list(range(1000, 1100)), salt=b"lora-a") == a["keys"]
+
+
+def test_chain_is_a_prefix_chain():
+    toks = np.arange(64, dtype=np.int64)
+    full = chunk_hashes(toks, 16)
+    assert chunk_hashes(toks[:48], 16) == full[:3]
+    changed = toks.copy()
+    changed[20] += 1  # a change in chunk 1 changes chunk 1 and every chunk after it
+    other = chunk_hashes(changed, 16)
+    assert other[0] == full[0] and all(x != y for x, y in zip(other[1:], full[1:]))
+    assert len(chunk_hashes(toks[:47], 16)) == 2  # a partial tail has no key
+
+
+@pytest.mark.parametrize("field,value", [("model", "other"), ("dtype", "float16"),
+                                         ("layout", "NHD"), ("block_size", 32),
+                                         ("chunk_tokens", 32), ("tp_rank", 1), ("tp_size", 4),
+                                         ("pp_rank", 1), ("pp_size", 2), ("tenant", "b")])
+def test_every_namespace_field_changes_the_fingerprint(field, value):
+    base = Namespace(model="m")
+    other = Namespace(**{**base.__dict__, field: value})
+    assert base.fingerprint() != other.fingerprint()
+    toks = list(range(64))
+    assert set(block_keys(base, toks)).isdisjoint(block_keys(other, toks))
+
+
+def test_salt_separates_and_keys_are_hex():
+    ns = Namespace(model="m", chunk_tokens=16)
+    plain, salted = block_keys(ns, range(32)), block_keys(ns, range(32), salt=b"s")
+    assert set(plain).isdisjoint(salted)
+    for key in plain:
+        assert is_key(key) and len(key) == KEY_HEX and key_namespace(key) == ns.fingerprint()
+
+
+@pytest.mark.parametrize("bad", ["", "../../etc/passwd", "A" * 48, "g" * 48, "a" * 47, None, 7,
+                                 "a" * 46 + "/x"])
+def test_malformed_keys_are_refused(bad):
+    assert not is_key(bad)
+    with pytest.raises(ValueError, match="not a kvtier block key"):
+        check_key(bad)
