@@ -1,0 +1,41 @@
+"""The registry of eviction policies: kind -> (config class, implementation). Policy is data."""
+
+from __future__ import annotations
+
+from kvtier.eviction.arc import ARCPolicy
+from kvtier.eviction.base import EvictionPolicy, PolicyContext
+from kvtier.eviction.belady import BeladyPolicy
+from kvtier.eviction.lru import LRUPolicy
+from kvtier.eviction.s3fifo import S3FIFOPolicy
+from kvtier.store.errors import ConfigError
+from kvtier.store.policies import EVICTION_KINDS
+
+_IMPLS: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "s3fifo": S3FIFOPolicy,
+    "arc": ARCPolicy,
+    "belady": BeladyPolicy,
+}
+try:  # the agentic policy lands after the classic ones
+    from kvtier.eviction.agentic import AgenticPolicy
+    _IMPLS["agentic"] = AgenticPolicy
+except ImportError:  # pragma: no cover
+    pass
+
+EVICTION_POLICIES: dict[str, tuple[type, type[EvictionPolicy]]] = {
+    kind: (EVICTION_KINDS[kind], impl) for kind, impl in _IMPLS.items()
+}
+
+
+def make_policy(config, ctx: PolicyContext) -> EvictionPolicy:
+    """Build the policy `config` describes (a config object of `store.policies`, or a kind
+    string for the defaults) for one tier."""
+    if isinstance(config, str):
+        if config not in EVICTION_POLICIES:
+            raise ConfigError(f"unknown eviction kind {config!r}; known: "
+                              f"{', '.join(EVICTION_POLICIES)}")
+        config = EVICTION_POLICIES[config][0](kind=config)
+    cfg_cls, impl = EVICTION_POLICIES[config.kind]
+    if impl.needs_sessions and ctx.sessions is None:
+        raise ConfigError(f"eviction kind {config.kind!r} needs the session tracker")
+    return impl(config, ctx)

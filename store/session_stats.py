@@ -1,0 +1,129 @@
+"""Online statistics behind session predictions: inter-turn gaps and session ends.
+
+Gaps are modelled as log-normal (agentic gaps are: median 5 s, P99 80 s, and a long tail of
+human think time). Every gap is keyed by a *gap class*, what the caller knows when a turn
+ends (`"tool"` when the model stopped on a tool call, `"user"` when it waits for a person,
+`None` when unknown); each class keeps a global Welford estimate of (mean, variance) of log
+gaps, and each session its own, shrunk toward the global one with `prior_weight`
+pseudo-observations. A session may also never come back: the probability that it ends after
+its n-th turn is learned per class and turn count from sessions seen to end or continue.
+
+Pure arithmetic on floats; no I/O, no clocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from statistics import NormalDist
+
+_SQRT2 = math.sqrt(2.0)
+_STD = NormalDist()
+_MIN_GAP_S = 1e-3
+
+
+@dataclass(frozen=True)
+class GapPrior:
+    """Where estimates start before anything is observed."""
+
+    median_s: float = 5.0
+    sigma: float = 1.2          # log-space spread: median 5 s -> P99 ~80 s
+    weight: float = 4.0         # pseudo-observations behind the prior (and the global model)
+    p_end: float = 0.05         # prior probability that a session ends after any turn
+    p_end_weight: float = 8.0
+
+
+class LogStats:
+    """Welford mean and variance of log gaps."""
+
+    __slots__ = ("n", "mean", "m2")
+
+    def __init__(self) -> None:
+        self.n, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def add(self, gap_s: float) -> None:
+        x = math.log(max(gap_s, _MIN_GAP_S))
+        self.n += 1
+        d = x - self.mean
+        self.mean += d / self.n
+        self.m2 += d * (x - self.mean)
+
+
+def survival(x: float, mu: float, sigma: float) -> float:
+    """P(gap > x) for a log-normal gap."""
+    if x <= 0:
+        return 1.0
+    return 0.5 * math.erfc((math.log(x) - mu) / (sigma * _SQRT2))
+
+
+def inv_survival(p: float, mu: float, sigma: float) -> float:
+    """The gap x with P(gap > x) = p."""
+    if p >= 1.0:
+        return 0.0
+    if p <= 0.0:
+        return math.inf
+    return math.exp(mu + sigma * _STD.inv_cdf(1.0 - p))
+
+
+def _turn_bucket(turns: int) -> int:
+    # Exact up to 32 turns, then one bucket per doubling: long sessions are rare.
+    return turns if turns <= 32 else 32 + int(math.log2(turns / 32)) + 1
+
+
+class GapModel:
+    """Global per-class gap estimates and end hazards, plus the shrinkage of a session's
+    own estimate toward them."""
+
+    def __init__(self, prior: GapPrior = GapPrior()):
+        self.prior = prior
+        self._mu0 = math.log(prior.median_s)
+        self.gaps: dict[object, LogStats] = defaultdict(LogStats)
+        self.cont: dict[object, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.ends: dict[object, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.cont_total: dict[object, int] = defaultdict(int)
+        self.ends_total: dict[object, int] = defaultdict(int)
+
+    def global_params(self, cls: object) -> tuple[float, float]:
+        """(mu, sigma) of the class, shrunk toward the prior."""
+        g = self.gaps.get(cls)
+        if g is None or g.n == 0:
+            return self._mu0, self.prior.sigma
+        return self._shrink(g, self._mu0, self.prior.sigma, self.prior.weight)
+
+    def params(self, own: LogStats | None, cls: object) -> tuple[float, float]:
+        """(mu, sigma) for a session: its own log gaps shrunk toward the class estimate."""
+        mu, sigma = self.global_params(cls)
+        if own is None or own.n == 0:
+            return mu, sigma
+        return self._shrink(own, mu, sigma, self.prior.weight)
+
+    @staticmethod
+    def _shrink(s: LogStats, mu0: float, sigma0: float, w: float) -> tuple[float, float]:
+        n = s.n
+        mu = (n * s.mean + w * mu0) / (n + w)
+        # pooled variance: own scatter, prior variance, and the spread between the two means
+        var = (s.m2 + w * sigma0 * sigma0 + n * w / (n + w) * (s.mean - mu0) ** 2) / (n + w)
+        return mu, max(math.sqrt(var), 0.05)
+
+    def observe_gap(self, cls: object, gap_s: float) -> None:
+        self.gaps[cls].add(gap_s)
+
+    def observe_continue(self, cls: object, turns: int) -> None:
+        self.cont[cls][_turn_bucket(turns)] += 1
+        self.cont_total[cls] += 1
+
+    def observe_end(self, cls: object, turns: int) -> None:
+        self.ends[cls][_turn_bucket(turns)] += 1
+        self.ends_total[cls] += 1
+
+    def p_end(self, cls: object, turns: int) -> float:
+        """P(a session of this class ends after its `turns`-th turn), smoothed twice: the
+        turn-count bucket toward the class, the class toward the prior."""
+        w, p0 = self.prior.p_end_weight, self.prior.p_end
+        e_c, k_c = self.ends_total.get(cls, 0), self.cont_total.get(cls, 0)
+        p_cls = (e_c + w * p0) / (e_c + k_c + w)
+        b = _turn_bucket(turns)
+        e = self.ends[cls].get(b, 0) if cls in self.ends else 0
+        k = self.cont[cls].get(b, 0) if cls in self.cont else 0
+        return (e + w * p_cls) / (e + k + w)

@@ -1,0 +1,316 @@
+"""Sessions: chains of requests that extend one another's prefix, inferred from block keys.
+
+A request arrives as the chain of its block keys (chained prefix hashes: equal keys mean
+equal prefixes, so prefix comparisons are binary searches). `observe` attaches it to a
+session, `end_turn` marks its response done (the gap clock starts), `reap` ends sessions
+idle far beyond their gap distribution and reports the blocks nobody references any more.
+
+Inference (hints override: a `session` id given by the connector is always used):
+- the deepest key of the request already known belongs to a session S (the last session
+  whose chain held it);
+- if the request extends S's whole chain, it is S's next turn;
+- else if that key is shared by several sessions (a system prompt), a new session forks;
+- else if it keeps at least `rewrite_min_fraction` of S's chain, S rewrote its context
+  (compaction, edit, retry): S continues and the dropped suffix loses S's reference;
+- else a new session starts.
+
+Per session: turns, last arrival and turn end, its own log-normal gap estimate (shrunk toward
+the global one of the same gap class), and its chain, the manifest of its blocks. Every key
+carries a reference count: the number of live sessions whose chain holds it, so a system
+prompt shared by 1,000 sessions is one block counted once per session. A key whose count
+drops to zero (its sessions ended, or rewrote their context) is reported by `reap` for
+reclaim and forgotten.
+
+A session ends when it has been idle `end_after_factor` times its `end_after_quantile` gap
+(at least `end_min_s`), when `end_session` says so, or when `max_sessions` forces out the
+longest idle. Pure logic on hashable keys: no I/O, no clocks (`now` comes from the caller).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvtier.eviction.base import BlockMeta, NO_META
+from kvtier.store.session_stats import GapModel, GapPrior, LogStats, inv_survival, survival
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    prior: GapPrior = field(default_factory=GapPrior)
+    rewrite_min_fraction: float = 0.5
+    shared_min_sessions: int = 2
+    end_after_quantile: float = 0.99
+    end_after_factor: float = 4.0
+    end_min_s: float = 120.0
+    hint_sigma: float = 0.5       # log-space spread around an `expected_gap_s` hint
+    max_sessions: int = 1_000_000
+
+
+class Turn(NamedTuple):
+    session: Hashable
+    turn: int          # 1 for the first request of a session
+    new_session: bool
+    common: int        # leading keys already in the session's chain before this request
+    dropped: int       # keys of the old chain this request no longer holds (rewrite)
+
+
+class SessionInfo(NamedTuple):
+    session: Hashable
+    turns: int
+    blocks: int
+    last_arrival: float
+    last_end: float | None
+    predicted_next: float   # conditional median of the next arrival (inf if none)
+    state: str              # active | hot | idle | ended
+
+
+class _Session:
+    __slots__ = ("sid", "chain", "turns", "last_arrival", "last_end", "active", "cls",
+                 "stats", "hint_gap_s")
+
+    def __init__(self, sid: Hashable, now: float):
+        self.sid, self.chain, self.turns = sid, [], 0
+        self.last_arrival, self.last_end, self.active = now, None, False
+        self.cls: object = None
+        self.stats: dict[object, LogStats] = {}
+        self.hint_gap_s: float | None = None
+
+
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """Length of the common prefix of two chains of chained keys (binary search: a[i] == b[i]
+    implies a[:i] == b[:i])."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class SessionTracker:
+    """Infers sessions from key chains; predicts their next turns. See the module docstring."""
+
+    def __init__(self, config: SessionConfig = SessionConfig()):
+        self.config = config
+        self.model = GapModel(config.prior)
+        self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()  # least recent first
+        self._refs: dict[Hashable, int] = {}
+        self._owner: dict[Hashable, Hashable] = {}
+        self._pos: dict[Hashable, int] = {}
+        self._reclaim: list[Hashable] = []
+        self._ids = itertools.count(1)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def observe(self, keys: Sequence[Hashable], now: float, session: Hashable | None = None,
+                expected_gap_s: float | None = None) -> Turn:
+        """A request arrives with the chain of its block keys (head first)."""
+        keys = list(keys)
+        s = self._sessions.get(session) if session is not None else self._infer(keys)
+        new = s is None
+        if new:
+            s = _Session(session if session is not None else f"s{next(self._ids)}", now)
+            self._sessions[s.sid] = s
+            self._force_out(now)
+        else:
+            self._count_gap(s, now)
+        common = common_prefix(s.chain, keys)
+        dropped = s.chain[common:]
+        self._release(dropped)
+        for i in range(common, len(keys)):
+            k = keys[i]
+            self._refs[k] = self._refs.get(k, 0) + 1
+            self._pos.setdefault(k, i)
+        for k in keys:
+            self._owner[k] = s.sid
+        s.chain, s.turns, s.last_arrival, s.active = keys, s.turns + 1, now, True
+        s.hint_gap_s = expected_gap_s
+        self._sessions.move_to_end(s.sid)
+        return Turn(s.sid, s.turns, new, common, len(dropped))
+
+    def _infer(self, keys: list) -> _Session | None:
+        lo, hi = 0, len(keys)  # number of leading keys known (known keys are prefix-closed)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid - 1] in self._refs:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo == 0:
+            return None
+        s = self._sessions.get(self._owner.get(keys[lo - 1]))
+        if s is None:
+            return None
+        common = common_prefix(s.chain, keys)
+        if common == len(s.chain):
+            return s
+        if self._refs[keys[lo - 1]] >= self.config.shared_min_sessions:
+            return None
+        return s if common >= self.config.rewrite_min_fraction * len(s.chain) else None
+
+    def _count_gap(self, s: _Session, now: float) -> None:
+        since = s.last_end if s.last_end is not None else s.last_arrival
+        gap = now - since
+        if not s.active and gap > 0:
+            stats = s.stats.get(s.cls)
+            if stats is None:
+                stats = s.stats[s.cls] = LogStats()
+            stats.add(gap)
+            self.model.observe_gap(s.cls, gap)
+            self.model.observe_continue(s.cls, s.turns)
+
+    def end_turn(self, session: Hashable, now: float, gap_class: object = None,
+                 expected_gap_s: float | None = None) -> None:
+        """The session's response is done: its gap clock starts. `gap_class` is what is known
+        about the wait ahead (e.g. "tool" or "user"); `expected_gap_s` overrides the estimate."""
+        s = self._sessions.get(session)
+        if s is None:
+            return
+        s.last_end, s.active, s.cls = now, False, gap_class
+        if expected_gap_s is not None:
+            s.hint_gap_s = expected_gap_s
+        self._sessions.move_to_end(session)
+
+    def end_session(self, session: Hashable) -> list[Hashable]:
+        """The session is over (a hint); returns keys now unreferenced (also in `reap`)."""
+        s = self._sessions.pop(session, None)
+        if s is None:
+            return []
+        start = len(self._reclaim)
+        self._release(s.chain)
+        return self._reclaim[start:]
+
+    def _release(self, keys: Sequence[Hashable]) -> None:
+        for k in keys:
+            n = self._refs.get(k, 0) - 1
+            if n > 0:
+                self._refs[k] = n
+            elif n == 0:
+                del self._refs[k]
+                self._owner.pop(k, None)
+                self._pos.pop(k, None)
+                self._reclaim.append(k)
+
+    # ---- ends -------------------------------------------------------------------------------
+    def end_after_s(self, session: Hashable) -> float:
+        """Idle time after which the session counts as ended."""
+        s = self._sessions[session]
+        mu, sigma = self._params(s)
+        q = inv_survival(1.0 - self.config.end_after_quantile, mu, sigma)
+        return max(self.config.end_min_s, self.config.end_after_factor * q)
+
+    def reap(self, now: float) -> tuple[list[Hashable], list[Hashable]]:
+        """End sessions idle beyond `end_after_s`; return (ended sessions, keys no session
+        references any more, including those dropped by rewrites since the last call)."""
+        ended = []
+        for sid, s in self._sessions.items():  # least recently active first
+            idle = now - (s.last_end if s.last_end is not None else s.last_arrival)
+            if idle < self.config.end_min_s:
+                break
+            # an active session that never ended its turn (a lost `end_turn`) gets longer
+            limit = self.end_after_s(sid) * (4.0 if s.active else 1.0)
+            if idle > limit:
+                ended.append(sid)
+        for sid in ended:
+            s = self._sessions[sid]
+            self.model.observe_end(s.cls, s.turns)
+            self.end_session(sid)
+        keys, self._reclaim = self._reclaim, []
+        return ended, keys
+
+    def _force_out(self, now: float) -> None:
+        while len(self._sessions) > self.config.max_sessions:
+            sid = next(iter(self._sessions))
+            self.model.observe_end(self._sessions[sid].cls, self._sessions[sid].turns)
+            self.end_session(sid)
+
+    # ---- predictions (the `SessionView` policies read) -------------------------------------
+    def _params(self, s: _Session) -> tuple[float, float]:
+        if s.hint_gap_s is not None and s.hint_gap_s > 0:
+            return math.log(s.hint_gap_s), self.config.hint_sigma
+        return self.model.params(s.stats.get(s.cls), s.cls)
+
+    def reuse_probability(self, session: Hashable, now: float, horizon_s: float) -> float:
+        """P(next turn in (now, now + horizon_s]), given none so far: the log-normal gap,
+        mixed with the learned chance that the session ended after this many turns."""
+        s = self._sessions.get(session)
+        if s is None:
+            return 0.0
+        if s.active:
+            return 1.0
+        mu, sigma = self._params(s)
+        idle = now - s.last_end if s.last_end is not None else now - s.last_arrival
+        alive = 1.0 - self.model.p_end(s.cls, s.turns)
+        s_now = survival(idle, mu, sigma)
+        s_then = survival(idle + horizon_s, mu, sigma)
+        den = alive * s_now + (1.0 - alive)
+        return alive * (s_now - s_then) / den if den > 0 else 0.0
+
+    def predicted_return(self, session: Hashable, now: float, quantile: float) -> float:
+        """Absolute time by which the next turn has come with probability `quantile`, given
+        it has not come by `now`; inf if it may never come with that probability."""
+        s = self._sessions.get(session)
+        if s is None:
+            return math.inf
+        if s.active:
+            return now
+        mu, sigma = self._params(s)
+        since = s.last_end if s.last_end is not None else s.last_arrival
+        alive = 1.0 - self.model.p_end(s.cls, s.turns)
+        s_now = survival(now - since, mu, sigma)
+        # P(return by t | none by now) = alive*(S(now)-S(t)) / (alive*S(now) + 1-alive)
+        target = s_now - quantile * (alive * s_now + 1.0 - alive) / max(alive, 1e-12)
+        if target <= 0:
+            return math.inf
+        return since + max(inv_survival(target, mu, sigma), now - since)
+
+    def is_active(self, session: Hashable) -> bool:
+        s = self._sessions.get(session)
+        return s is not None and s.active
+
+    # ---- metadata ---------------------------------------------------------------------------
+    def meta(self, key: Hashable) -> BlockMeta:
+        """What policies get for `key`: owning session, chain position, reference count."""
+        refs = self._refs.get(key)
+        if refs is None:
+            return NO_META
+        return BlockMeta(self._owner.get(key), self._pos[key], refs)
+
+    def refs(self, key: Hashable) -> int:
+        return self._refs.get(key, 0)
+
+    def chain(self, session: Hashable) -> list[Hashable]:
+        s = self._sessions.get(session)
+        return list(s.chain) if s is not None else []
+
+    def info(self, session: Hashable, now: float) -> SessionInfo | None:
+        s = self._sessions.get(session)
+        if s is None:
+            return None
+        nxt = self.predicted_return(session, now, 0.5)
+        if s.active:
+            state = "active"
+        else:
+            hot = self.predicted_return(session, now, 0.9)
+            state = "hot" if hot < math.inf and now < hot else "idle"
+        return SessionInfo(s.sid, s.turns, len(s.chain), s.last_arrival, s.last_end, nxt, state)
+
+    def sessions(self) -> list[Hashable]:
+        """Live session ids, least recently active first."""
+        return list(self._sessions)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session: object) -> bool:
+        return session in self._sessions
+
+    @property
+    def known_keys(self) -> int:
+        return len(self._refs)
