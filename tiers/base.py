@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 from kvtier.store.errors import TierFullError
@@ -64,7 +64,9 @@ class TierCounters:
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+            # not asdict(): it deep-copies every field, and a lock cannot be copied
+            return {f.name: getattr(self, f.name) for f in fields(self)
+                    if not f.name.startswith("_")}
 
 
 class Tier(ABC):
