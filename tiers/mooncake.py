@@ -1,0 +1,290 @@
+"""The `mooncake` tier: block frames in the cluster's pooled DRAM (a Mooncake Store).
+
+One store client per process (`tiers.mooncake_client`) lends `capacity` bytes of this
+process's memory to the pool and reads and writes objects wherever the master placed them.
+Each block is one object: key = block key, value = the whole frame (header + payload).
+
+Data path (batched Mooncake calls only):
+- `contains`: one `batch_is_exist` (it also renews the master's lease on the keys).
+- `put`: `batch_put_from`, with replication and soft pin from the policy. Frames that lie in
+  registered memory (`register`) go straight from the caller's buffer; others are copied into
+  the staging buffer registered once at open. A put is atomic per key in Mooncake (an object
+  becomes visible at PutEnd, whole). An existing key counts as stored.
+- `get`: `batch_get_into`, straight into registered out buffers, else into staging and one
+  copy. Every frame is verified (`block.verify`); one that fails is counted in `corrupt`,
+  removed from the pool and from the index, and reported as MISS.
+- Large batches run as a two-stage pipeline: the transfer of one chunk (in a worker thread;
+  Mooncake releases the GIL) overlaps the checksum and copies of the chunk before it.
+
+Codes: -704 / -703 / -707 are misses; -800 (the segment holding the object belongs to a client
+that died; the master forgets it after its client TTL) is a miss counted in `errors`; -200
+(pool full, nothing evictable) is retried with exponential back-off from `retry_backoff_s`,
+then raised as `TierFullError`; a master that does not answer is `TierUnavailableError`, and
+the next call reconnects (see `mooncake_client`).
+
+Objects live in the segments of the clients that lent them: when a process exits, the blocks
+in its segment go away. `delete` forces removal past the master's read lease: a reader racing
+a delete can only see a torn frame, which verification turns into a miss.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+from kvtier.store.block import HEADER_SIZE, alloc_aligned, parse_header, verify
+from kvtier.store.config import MooncakeTierConfig
+from kvtier.store.errors import CorruptBlockError
+from kvtier.tiers.base import MISS, Tier, full_error
+from kvtier.tiers.mooncake_client import (INVALID_PARAMS, MISS_CODES, NO_AVAILABLE_HANDLE,
+                                          OK, TRANSFER_FAIL, MooncakeClient, buffer_address,
+                                          is_down)
+from kvtier.tiers.mooncake_pipeline import Chunk, plan_chunks, run_pipeline
+
+FULL_RETRIES = 4            # back-off steps on -200 before TierFullError
+ALREADY_EXISTS = -705
+METRICS_MAX_AGE_S = 1.0
+
+
+class MooncakeTier(Tier):
+    """Block frames in the Mooncake pool through this process's store client."""
+
+    kind = "mooncake"
+
+    def __init__(self, cfg: MooncakeTierConfig, ctx):
+        super().__init__(cfg.name, cfg.capacity_bytes)
+        self.cfg = cfg
+        self.ctx = ctx
+        self.client = MooncakeClient(cfg, ctx.master)
+        self.staging = alloc_aligned(cfg.staging_bytes)
+        self.client.register(self.staging)
+        self._staging_lock = threading.Lock()  # one call at a time uses staging
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{cfg.name}")
+        self._mine: dict[str, int] = {}  # frames this process put: key -> bytes
+        self._mine_lock = threading.Lock()
+        self.metrics_url = self._find_metrics_url()
+        self._metrics_cache = (0.0, 0)
+
+    # ---- the contract --------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        with self.client.session() as store:
+            codes = store.batch_is_exist(list(keys))
+        out = []
+        for key, code in zip(keys, codes):
+            if is_down(code):
+                raise self.client.fail("batch_is_exist", code)
+            if code < 0:
+                self.stats.add(errors=1)
+            out.append(code == 1)
+        self._forget([k for k, hit in zip(keys, out) if not hit])
+        return out
+
+    def put(self, keys: Sequence[str], frames: Sequence[memoryview]) -> list[bool]:
+        _check_lengths(keys, frames)
+        if not keys:
+            return []
+        views = [_byte_view(f) for f in frames]
+        sizes = []
+        for key, view in zip(keys, views):
+            header = parse_header(view)
+            if header.key != key:
+                raise ValueError(f"frame sealed for {header.key}, not {key}; seal it for its key")
+            sizes.append(header.frame_len)
+        done = [False] * len(keys)
+        todo, delay = list(range(len(keys))), self.cfg.retry_backoff_s
+        for attempt in range(FULL_RETRIES + 1):
+            codes = self._transfer("put", [keys[i] for i in todo], [views[i] for i in todo],
+                                   [sizes[i] for i in todo])
+            full = []
+            for i, code in zip(todo, codes):
+                if code in (OK, ALREADY_EXISTS):
+                    done[i] = True
+                elif code == NO_AVAILABLE_HANDLE:
+                    full.append(i)
+                else:
+                    self.stats.add(errors=1)
+            self._account(keys, sizes, done)
+            if not full:
+                return done
+            todo = full
+            if attempt < FULL_RETRIES:
+                time.sleep(delay)  # the master evicts at its high watermark, asynchronously
+                delay *= 2
+        stored = [k for k, ok in zip(keys, done) if ok]
+        raise full_error(self.name, f"pool full with nothing evictable, {len(todo)} of "
+                         f"{len(keys)} blocks not stored",
+                         "lend more memory (capacity), lower soft pinning, or demote blocks",
+                         stored)
+
+    def get(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int]:
+        _check_lengths(keys, outs)
+        if not keys:
+            return []
+        views = [_byte_view(o) for o in outs]
+        result = [MISS] * len(keys)
+        corrupt: list[str] = []
+
+        def check(i: int, code: int, frame: memoryview) -> None:
+            if code >= 0:
+                try:
+                    result[i] = verify(frame[:code], keys[i], code).payload_len
+                except CorruptBlockError:
+                    corrupt.append(keys[i])
+            elif code == INVALID_PARAMS:  # larger than the caller's buffer: not our frame
+                corrupt.append(keys[i])
+            elif code == TRANSFER_FAIL or code not in MISS_CODES:
+                self.stats.add(errors=1)  # -800: the client lending that segment is gone
+
+        self._transfer("get", keys, views, [len(v) for v in views], check)
+        if corrupt:
+            self._quarantine(corrupt)
+        hits = [n for n in result if n != MISS]
+        self.stats.add(hits=len(hits), misses=len(keys) - len(hits), corrupt=len(corrupt),
+                       bytes_out=sum(hits) + HEADER_SIZE * len(hits))
+        self._forget([k for k, n in zip(keys, result) if n == MISS])
+        return result
+
+    def delete(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        with self.client.session() as store:
+            codes = store.batch_remove(list(keys), True)
+        removed = 0
+        for code in codes:
+            if is_down(code):
+                raise self.client.fail("batch_remove", code)
+            removed += code == OK
+        self._forget(keys)
+        self.stats.add(deletes=removed)
+        return removed
+
+    def used_bytes(self) -> int:
+        measured = self._metrics_used()
+        if measured is not None:
+            return measured
+        with self._mine_lock:
+            return min(self.capacity_bytes, sum(self._mine.values()))
+
+    def register(self, buf) -> None:
+        """Register `buf` so puts from it and gets into it skip the staging copy."""
+        self.client.register(buf)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+        self.client.close()
+
+    # ---- transfers -----------------------------------------------------------------------
+
+    def _transfer(self, op: str, keys: Sequence[str], views: list[memoryview],
+                  sizes: list[int], check=None) -> list[int]:
+        """Run a batched put or get over direct and staged chunks; return per-key codes."""
+        addrs = [buffer_address(v) for v in views]
+        direct = [self.client.registered(a, n) for a, n in zip(addrs, sizes)]
+        chunks = plan_chunks(sizes, direct, len(self.staging), merge_direct=(op == "put"))
+        codes = [0] * len(keys)
+        staging_addr = buffer_address(self.staging)
+        call = "batch_put_from" if op == "put" else "batch_get_into"
+
+        def xfer(store, chunk: Chunk) -> list[int]:
+            ptrs = ([staging_addr + off for off in chunk.offsets] if chunk.staged
+                    else [addrs[i] for i in chunk.idx])
+            ks, ns = [keys[i] for i in chunk.idx], [sizes[i] for i in chunk.idx]
+            if op == "put":
+                return store.batch_put_from(ks, ptrs, ns, self.client.replicate)
+            return store.batch_get_into(ks, ptrs, ns)
+
+        def pre(chunk: Chunk) -> None:  # put: copy frames into staging
+            if op == "put" and chunk.staged:
+                for i, off in zip(chunk.idx, chunk.offsets):
+                    self.staging[off:off + sizes[i]] = views[i][:sizes[i]]
+
+        def post(chunk: Chunk, got: list[int]) -> None:
+            for j, (i, code) in enumerate(zip(chunk.idx, got)):
+                codes[i] = code
+                if is_down(code):
+                    raise self.client.fail(call, code)
+                if check is None:
+                    continue
+                frame = views[i]
+                if chunk.staged and code > 0:  # staged get: one copy out
+                    off = chunk.offsets[j]
+                    frame[:code] = self.staging[off:off + code]
+                check(i, code, frame)
+
+        staged = any(c.staged for c in chunks)
+        with self.client.session() as store:
+            args = (self._worker, chunks, lambda c: xfer(store, c), pre, post, len(self.staging))
+            if staged:
+                with self._staging_lock:
+                    run_pipeline(*args)
+            else:
+                run_pipeline(*args)
+        if op == "put":
+            self.stats.add(puts=sum(c == OK for c in codes),
+                           bytes_in=sum(n for n, c in zip(sizes, codes) if c == OK))
+        return codes
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+
+    def _quarantine(self, keys: list[str]) -> None:
+        """Drop corrupt objects from the pool and the node's index (never returned)."""
+        with self.client.session() as store:
+            store.batch_remove(keys, True)
+        if self.ctx.index is not None:
+            self.ctx.index.delete(self.name, keys)
+        self._forget(keys)
+
+    def _account(self, keys: Sequence[str], sizes: list[int], done: list[bool]) -> None:
+        with self._mine_lock:
+            for key, size, ok in zip(keys, sizes, done):
+                if ok:
+                    self._mine[key] = size
+
+    def _forget(self, keys: Sequence[str]) -> None:
+        if keys and self._mine:
+            with self._mine_lock:
+                for key in keys:
+                    self._mine.pop(key, None)
+
+    def _find_metrics_url(self) -> str | None:
+        owned = self.client.owned_master
+        if owned is not None:
+            return owned.metrics_url
+        port = self.ctx.master.extra_flags.get("metrics_port")
+        return f"http://{self.ctx.master.host}:{port}/metrics" if port else None
+
+    def _metrics_used(self) -> int | None:
+        """Bytes allocated in this process's segment, from the master's metrics endpoint."""
+        if not self.metrics_url:
+            return None
+        at, value = self._metrics_cache
+        if time.monotonic() - at < METRICS_MAX_AGE_S:
+            return value
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=0.5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return None  # metrics down: fall back to what this process put
+        pattern = rf'^segment_allocated_bytes\{{segment="{re.escape(self.client.segment)}"\}} (\S+)'
+        m = re.search(pattern, text, re.M)
+        value = int(float(m.group(1))) if m else 0
+        self._metrics_cache = (time.monotonic(), value)
+        return value
+
+
+def _byte_view(buf) -> memoryview:
+    """A flat unsigned-byte view of `buf` (slices then count bytes, whatever its format)."""
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _check_lengths(keys: Sequence[str], bufs: Sequence) -> None:
+    if len(keys) != len(bufs):
+        raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers; pass one buffer per key")

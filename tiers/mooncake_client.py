@@ -1,0 +1,232 @@
+"""One Mooncake Store client per process: setup, registered buffers, codes, reconnection.
+
+`MooncakeClient` owns the process's `MooncakeDistributedStore` for one tier. Callers run every
+backend call inside `client.session()`, which yields the live store; they translate the codes
+it returns with `classify` and report an unreachable backend with `client.fail(...)`, which
+marks the client down and returns the `TierUnavailableError` to raise.
+
+Contract:
+- The first session after a failure reconnects: if nothing answers at the master address it
+  raises `TierUnavailableError` at once (no multi-second RPC retries inside Mooncake), or, with
+  `master.embedded: true`, starts a master through `ensure_master`; once a master answers it
+  builds a fresh store client (`setup` mounts this process's segment synchronously, so puts
+  work as soon as it returns) and re-registers every registered buffer. The old client is
+  closed in the background once the calls still running on it return.
+- Buffers handed to `register` stay referenced (alive) until `close`.
+- `setup` of a client whose master does not answer blocks for ~90 s inside Mooncake (20
+  retries): a TCP probe always goes first.
+- `mooncake.store` is imported here, lazily, with an install hint.
+
+Measured (mooncake-transfer-engine-non-cuda 0.3.13.post1, loopback TCP): after the master is
+killed, gets and `batch_is_exist` answer -900 at once and a put answers -900 after ~4 s of
+retries; after it restarts the old client remounts its segment by itself within ~2 s, with
+puts answering -200 until then; objects of a client that died answer -800 (transfer failed)
+for ~10 s (the master's client TTL), then -704; `close()` takes ~2 s.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import numpy as np
+
+from kvtier.store.config import MasterConfig, MooncakeTierConfig
+from kvtier.store.errors import MasterError, TierError, TierUnavailableError
+from kvtier.store.master import INSTALL_HINT, ensure_master, master_answers
+
+OK = 0
+NO_AVAILABLE_HANDLE = -200   # pool full and nothing evictable
+INVALID_PARAMS = -600        # e.g. the buffer is smaller than the object
+REPLICA_IS_NOT_READY = -703  # a put of this key is still in flight
+OBJECT_NOT_FOUND = -704
+OBJECT_HAS_LEASE = -706
+LEASE_EXPIRED = -707         # evicted while we read it
+TRANSFER_FAIL = -800         # the segment holding the object is gone (its client died)
+RPC_FAIL = -900
+
+MISS_CODES = frozenset({REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, LEASE_EXPIRED, TRANSFER_FAIL})
+# The master itself is unreachable or has forgotten us (restarted): reconnect.
+DOWN_CODES = frozenset({-103, -1010, -1011}) | frozenset(range(-999, -899))
+
+
+def is_down(code: int) -> bool:
+    return code in DOWN_CODES
+
+
+def import_mooncake() -> Any:
+    """The `mooncake.store` module, or a TierError naming the package to install."""
+    try:
+        import mooncake.store as mc
+    except ImportError as e:
+        raise TierError(f"cannot import mooncake.store ({e}); install it: {INSTALL_HINT}"
+                        ) from None
+    return mc
+
+
+def buffer_address(buf) -> int:
+    """The address of the first byte of a C-contiguous buffer (read-only is fine)."""
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
+class _Handle:
+    """A store client and the number of calls running on it, so it is closed only when idle."""
+
+    def __init__(self, store: Any):
+        self.store = store
+        self.active = 0
+        self.cv = threading.Condition()
+
+    def close_when_idle(self, timeout_s: float = 30.0) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.active == 0, timeout_s)
+        self.store.close()
+
+
+class MooncakeClient:
+    """The process's store client for one mooncake tier (thread-safe)."""
+
+    def __init__(self, cfg: MooncakeTierConfig, master: MasterConfig):
+        self.cfg = cfg
+        self.master = master
+        self.mc = import_mooncake()
+        self.owned_master = None  # an EmbeddedMaster this client had to start
+        self._lock = threading.Lock()  # serializes reconnects and registrations
+        self._down = False
+        self._closed = False
+        # Registered buffers sorted by address, as (starts, [(addr, nbytes, owner)]), replaced
+        # whole on registration so lock-free readers never see the two lists out of step.
+        self._regs: tuple[list[int], list[tuple[int, int, Any]]] = ([], [])
+        self._handle = _Handle(self._new_store())
+        self.segment = self._handle.store.get_hostname()
+        self.replicate = self._replicate_config()
+
+    # ---- connecting ----------------------------------------------------------------------
+
+    def _where(self) -> str:
+        return f"Mooncake master {self.master.address}"
+
+    def _ensure_master(self) -> None:
+        if master_answers(self.master.address):
+            return
+        if not self.master.embedded:
+            raise TierUnavailableError(
+                f"tier {self.cfg.name!r}: no {self._where()} answers; start one (`kvtier "
+                "master`) or set master.embedded: true")
+        try:
+            owned = ensure_master(self.master)
+        except MasterError as e:
+            raise TierUnavailableError(f"tier {self.cfg.name!r}: {e}") from None
+        self.owned_master = owned or self.owned_master
+
+    def _new_store(self) -> Any:
+        self._ensure_master()
+        store = self.mc.MooncakeDistributedStore()
+        cfg = self.cfg
+        rc = store.setup(cfg.local_hostname, self.master.metadata_server, cfg.capacity_bytes,
+                         cfg.buffer_bytes, cfg.protocol, cfg.device, self.master.address)
+        if rc != OK:
+            raise TierUnavailableError(
+                f"tier {cfg.name!r}: Mooncake client setup failed (code {rc}) against "
+                f"{self._where()} over {cfg.protocol}; check the master's log, "
+                f"local_hostname={cfg.local_hostname!r} and device={cfg.device!r}")
+        for addr, nbytes, _ in self._regs[1]:
+            rc = store.register_buffer(addr, nbytes)
+            if rc != OK:
+                store.close()
+                raise TierUnavailableError(f"tier {cfg.name!r}: re-registering a {nbytes}-byte "
+                                           f"buffer failed (code {rc}) after reconnecting to "
+                                           f"{self._where()}; restart the process")
+        return store
+
+    def _replicate_config(self) -> Any:
+        """Replication and soft pin from the policy, on whatever this API version offers."""
+        rc = self.mc.ReplicateConfig()
+        rc.replica_num = self.cfg.replicas
+        if hasattr(rc, "soft_pin_action"):
+            action = self.mc.SoftPinAction
+            rc.soft_pin_action = action.ENABLE if self.cfg.soft_pin else action.DISABLE
+        elif hasattr(rc, "with_soft_pin"):
+            rc.with_soft_pin = self.cfg.soft_pin
+        if hasattr(self.mc, "ObjectDataType") and hasattr(rc, "data_type"):
+            rc.data_type = self.mc.ObjectDataType.KVCACHE
+        return rc
+
+    def _reconnect(self) -> None:
+        with self._lock:
+            if not self._down:
+                return  # another thread reconnected while we waited
+            new = _Handle(self._new_store())
+            old, self._handle = self._handle, new
+            self.segment = new.store.get_hostname()
+            self._down = False
+        # close() takes ~2 s and must wait for the calls still running on the old client.
+        threading.Thread(target=old.close_when_idle, name="kvtier-mooncake-close",
+                         daemon=True).start()
+
+    @contextmanager
+    def session(self) -> Iterator[Any]:
+        """Yield the live store client for one batch of backend calls."""
+        if self._closed:
+            raise TierError(f"tier {self.cfg.name!r} is closed")
+        if self._down:
+            self._reconnect()
+        handle = self._handle
+        with handle.cv:
+            handle.active += 1
+        try:
+            yield handle.store
+        finally:
+            with handle.cv:
+                handle.active -= 1
+                handle.cv.notify_all()
+
+    def fail(self, op: str, code: int) -> TierUnavailableError:
+        """Mark the client down after `op` answered `code`; return the error to raise."""
+        self._down = True
+        answering = master_answers(self.master.address)
+        fix = ("the master answers again: the next call reconnects" if answering else
+               "start it again (`kvtier master`); the next call reconnects")
+        return TierUnavailableError(f"tier {self.cfg.name!r}: {op} failed with code {code}: "
+                                    f"{self._where()} unreachable; {fix}")
+
+    # ---- registered memory ---------------------------------------------------------------
+
+    def register(self, buf) -> int:
+        """Register `buf` (kept alive until close) for zero-copy transfers; return its address."""
+        view = memoryview(buf)
+        addr, nbytes = buffer_address(view), view.nbytes
+        with self._lock:
+            if self.registered(addr, nbytes):
+                return addr
+            rc = self._handle.store.register_buffer(addr, nbytes)
+            if rc != OK:
+                raise TierError(f"tier {self.cfg.name!r}: register_buffer of {nbytes} bytes "
+                                f"failed (code {rc}); use page-aligned memory "
+                                "(block.alloc_aligned) and check the memlock limit (ulimit -l)")
+            starts, bufs = self._regs
+            i = bisect.bisect(starts, addr)
+            self._regs = (starts[:i] + [addr] + starts[i:],
+                          bufs[:i] + [(addr, nbytes, view)] + bufs[i:])
+        return addr
+
+    def registered(self, addr: int, nbytes: int) -> bool:
+        """True if [addr, addr+nbytes) lies inside one registered buffer."""
+        starts, bufs = self._regs
+        i = bisect.bisect(starts, addr) - 1
+        if i < 0:
+            return False
+        start, size, _ = bufs[i]
+        return addr + nbytes <= start + size
+
+    def close(self) -> None:
+        """Close the store client (unmounts this process's segment). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            handle = self._handle
+        handle.close_when_idle()
+        self._regs = ([], [])
