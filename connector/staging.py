@@ -1,0 +1,100 @@
+"""Staging frame buffers between the paged KV cache and the store.
+
+A `FrameBuffer` holds up to `capacity` frames of `stride` bytes each, back to back; frame i
+is `host[i*stride:(i+1)*stride]`, its payload at offset `block.HEADER_SIZE`. Frames are page
+aligned (`stride` is a multiple of 4 KiB and the buffer starts on a page), so tiers may use
+O_DIRECT on them. On CPU the host buffer is what gather/scatter touch. On CUDA the host
+buffer is pinned, and a device mirror of the same size takes the gather/scatter; one bulk
+copy moves the whole mirror, headers and all (the fastest way across PCIe: DESIGN.md).
+
+`StagingPool` bounds the memory in flight. The caller guarantees it releases every buffer it
+acquires; `acquire` blocks while all are taken (backpressure on saves, never a drop).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from kvtier.store import block
+
+PAGE = block.PAGE
+
+
+class FrameBuffer:
+    """`capacity` frames of `stride` bytes on the host (and its device mirror on CUDA)."""
+
+    def __init__(self, capacity: int, stride: int, device: torch.device):
+        if stride % PAGE:
+            raise ValueError(f"frame stride {stride} is not a multiple of {PAGE}")
+        self.capacity = capacity
+        self.stride = stride
+        nbytes = capacity * stride
+        if device.type == "cuda":
+            self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self._mv = memoryview(self.host.numpy())
+            self.device_view = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        else:
+            self._mv = block.alloc_aligned(nbytes)
+            self.host = torch.frombuffer(self._mv, dtype=torch.uint8, count=nbytes)
+            self.device_view = self.host
+
+    def frame(self, i: int) -> memoryview:
+        """Frame i of the host buffer (writable, page aligned)."""
+        return self._mv[i * self.stride:(i + 1) * self.stride]
+
+    @property
+    def mirrored(self) -> bool:
+        return self.device_view is not self.host
+
+    def to_host(self, n: int, non_blocking: bool = True) -> None:
+        """Copy the first `n` frames device -> host (one bulk copy; CUDA only)."""
+        if self.mirrored:
+            self.host[: n * self.stride].copy_(self.device_view[: n * self.stride],
+                                               non_blocking=non_blocking)
+
+    def to_device(self, n: int, non_blocking: bool = True) -> None:
+        """Copy the first `n` frames host -> device (one bulk copy; CUDA only)."""
+        if self.mirrored:
+            self.device_view[: n * self.stride].copy_(self.host[: n * self.stride],
+                                                      non_blocking=non_blocking)
+
+    def clear_headers(self, n: int) -> None:
+        """Zero the header of each of the first `n` frames, so a stale one never verifies."""
+        view = np.frombuffer(self._mv, dtype=np.uint8, count=n * self.stride)
+        view.reshape(n, self.stride)[:, : block.HEADER_SIZE] = 0
+
+
+class StagingPool:
+    """At most `max_buffers` frame buffers, created on first use and reused."""
+
+    def __init__(self, capacity: int, stride: int, device: torch.device, max_buffers: int):
+        self.capacity = capacity
+        self.stride = stride
+        self.device = device
+        self.max_buffers = max_buffers
+        self._free: list[FrameBuffer] = []
+        self._created = 0
+        self._cond = threading.Condition()
+
+    def acquire(self) -> FrameBuffer:
+        """A free buffer; waits while all `max_buffers` are in use."""
+        with self._cond:
+            while not self._free and self._created >= self.max_buffers:
+                self._cond.wait()
+            if self._free:
+                return self._free.pop()
+            self._created += 1
+        return FrameBuffer(self.capacity, self.stride, self.device)
+
+    def release(self, buf: FrameBuffer) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    @property
+    def in_use(self) -> int:
+        with self._cond:
+            return self._created - len(self._free)
