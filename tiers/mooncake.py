@@ -63,6 +63,8 @@ class MooncakeTier(Tier):
         self.staging = alloc_aligned(cfg.staging_bytes)
         self.client.register(self.staging)
         self._staging_lock = threading.Lock()  # one call at a time uses staging
+        # False sends every transfer through staging, registered or not (benchmarks, debugging).
+        self.zero_copy = True
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{cfg.name}")
         self._mine: dict[str, int] = {}  # frames this process put: key -> bytes
         self._mine_lock = threading.Lock()
@@ -186,7 +188,7 @@ class MooncakeTier(Tier):
                   sizes: list[int], check=None) -> list[int]:
         """Run a batched put or get over direct and staged chunks; return per-key codes."""
         addrs = [buffer_address(v) for v in views]
-        direct = [self.client.registered(a, n) for a, n in zip(addrs, sizes)]
+        direct = [self.zero_copy and self.client.registered(a, n) for a, n in zip(addrs, sizes)]
         chunks = plan_chunks(sizes, direct, len(self.staging), merge_direct=(op == "put"))
         codes = [0] * len(keys)
         staging_addr = buffer_address(self.staging)

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-MIN_CHUNK_BYTES = 4 << 20
+MIN_CHUNK_BYTES = 8 << 20
 MAX_CHUNK_BYTES = 32 << 20
 TARGET_CHUNKS = 4   # enough to overlap, few enough that per-call RPC overhead stays small
 ALIGN = 4096        # staged frames start on page boundaries (fast copies, RDMA friendly)

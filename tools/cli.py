@@ -7,12 +7,13 @@ import sys
 import typer
 
 from kvtier.store.errors import ConfigError, KVTierError
-from kvtier.tools import cli_config, cli_inspect, cli_master
+from kvtier.tools import cli_bench, cli_config, cli_inspect, cli_master
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="kvtier: a tiered KV-cache store for agentic LLM serving.")
 app.add_typer(cli_config.app, name="config")
 app.add_typer(cli_inspect.app, name="inspect")
+app.add_typer(cli_bench.app, name="bench")
 app.command("master")(cli_master.master)
 app.command("demo")(cli_master.demo)
 
