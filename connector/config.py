@@ -1,0 +1,67 @@
+"""The connector's configuration: `kv_connector_extra_config`, validated once.
+
+Fields (all optional; unknown ones are errors):
+- `kvtier_config`: path of a policy YAML file; or
+- `policy`: the policy inline, as a mapping (same schema as the file). With neither, the
+  embedded default policy (one machine, embedded master) is used; with both, an error.
+- `node_id`: this instance's node name in the index (default: the host name).
+- `staging_buffer`: bytes of one staging buffer (default 64MiB; a batch of chunks moves
+  through one buffer), `staging_buffers`: how many may be in flight for saves (default 4;
+  more saves wait, they are never dropped).
+
+Every mistake raises `ConfigError` with one line naming the field and the fix. Nothing is
+read from environment variables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from kvtier.store.config import Policy, load_policy, policy_from_dict
+from kvtier.store.config_errors import format_validation_error
+from kvtier.store.errors import ConfigError
+from kvtier.store.units import parse_size
+
+SOURCE = "kv_connector_extra_config"
+
+
+class _ExtraConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    kvtier_config: Path | None = None
+    policy: dict[str, Any] | None = None
+    node_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
+    staging_buffer_bytes: Annotated[int, BeforeValidator(parse_size)] = Field(
+        default=64 << 20, alias="staging_buffer", ge=1 << 20)
+    staging_buffers: int = Field(default=4, ge=1, le=256)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    policy: Policy
+    node_id: str | None
+    staging_buffer_bytes: int
+    staging_buffers: int
+
+
+def parse_extra_config(extra: Any) -> ConnectorConfig:
+    """Validate `kv_connector_extra_config` and load the policy it names."""
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"{SOURCE}: expected a mapping, got {type(extra).__name__}")
+    try:
+        cfg = _ExtraConfig.model_validate(extra)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, SOURCE, _ExtraConfig)) from None
+    if cfg.kvtier_config is not None and cfg.policy is not None:
+        raise ConfigError(f"{SOURCE}: kvtier_config and policy are both set; give the policy "
+                          "as a file path (kvtier_config) or inline (policy), not both")
+    if cfg.policy is not None:
+        policy = policy_from_dict(cfg.policy, source=f"{SOURCE}.policy")
+    else:
+        policy = load_policy(cfg.kvtier_config)
+    return ConnectorConfig(policy, cfg.node_id, cfg.staging_buffer_bytes, cfg.staging_buffers)

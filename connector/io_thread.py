@@ -1,0 +1,200 @@
+"""The worker's one background I/O thread: every store load and save runs here.
+
+Loads go first (a request waits on them); saves after. A load batch reads up to one staging
+buffer of chunks from the store (verified there: a corrupt or missing chunk is a MISS),
+scatters the chunks before the first miss into the paged cache, and reports the blocks of
+the missed chunk and of every later chunk of the request as failed, so vLLM recomputes from
+the first of them. A save batch arrives already gathered into a staging buffer (by the main
+thread, in `wait_for_save`); here it is sealed (header + checksum) and written through the
+store. A failed save is only a future miss: it is counted and logged, never retried inline.
+
+Thread safety: `submit_*` are called from the model-runner thread; results are taken with
+`take_results`. On CUDA, loads run on a side stream that is synchronised before a request is
+reported, and a save waits for the event recorded after its device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.connector.layout import PagedKV
+from kvtier.connector.staging import FrameBuffer, StagingPool
+from kvtier.connector.stats import KVTierStats
+from kvtier.store import block
+from kvtier.store.tiered import SessionHint, TieredStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadBatch:
+    req_id: str
+    keys: list[str]
+    block_ids: list[list[int]]
+    skip_first: int        # leading blocks of row 0 not written
+    last: bool             # the request's final batch
+
+
+@dataclass
+class SaveBatch:
+    req_id: str
+    keys: list[str]
+    buf: FrameBuffer
+    hint: SessionHint | None
+    ready: object | None = None  # a CUDA event to wait for before reading `buf.host`
+    t0: float = field(default_factory=time.perf_counter)
+
+
+class IOThread:
+    def __init__(self, store: TieredStore, paged: PagedKV, load_pool: StagingPool,
+                 save_pool: StagingPool, blocks_per_chunk: int, payload_len: int,
+                 stats: KVTierStats, stats_lock: threading.Lock):
+        self.store, self.paged = store, paged
+        self.load_pool, self.save_pool = load_pool, save_pool
+        self.m, self.payload_len = blocks_per_chunk, payload_len
+        self.stats, self.stats_lock = stats, stats_lock
+        self.stream = torch.cuda.Stream(paged.device) if paged.device.type == "cuda" else None
+        self._loads: collections.deque[LoadBatch] = collections.deque()
+        self._saves: collections.deque[SaveBatch] = collections.deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._failed_reqs: set[str] = set()
+        self._done_loads: list[str] = []
+        self._failed_blocks: set[int] = set()
+        self._busy = 0
+        self._thread = threading.Thread(target=self._run, name="kvtier-io", daemon=True)
+        self._thread.start()
+
+    # ---- model-runner thread ------------------------------------------------------------
+
+    def submit_load(self, batches: list[LoadBatch]) -> None:
+        with self._cv:
+            self._loads.extend(batches)
+            self._cv.notify()
+
+    def submit_save(self, batch: SaveBatch) -> None:
+        with self._cv:
+            self._saves.append(batch)
+            self._cv.notify()
+
+    def take_results(self) -> tuple[list[str], set[int]]:
+        """(requests whose loads all finished, blocks that failed) since the last call."""
+        with self._cv:
+            done, failed = self._done_loads, self._failed_blocks
+            self._done_loads, self._failed_blocks = [], set()
+            return done, failed
+
+    def idle(self) -> bool:
+        with self._cv:
+            return not (self._loads or self._saves or self._busy)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish queued work (saves included), then end the thread."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("kvtier: I/O thread still busy after %.0fs at shutdown; queued saves "
+                        "are abandoned (they become misses)", timeout_s)
+
+    # ---- the thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._loads or self._saves or self._stop):
+                    self._cv.wait()
+                if not (self._loads or self._saves):
+                    return
+                job = self._loads.popleft() if self._loads else self._saves.popleft()
+                self._busy += 1
+            try:
+                if isinstance(job, LoadBatch):
+                    self._load(job)
+                else:
+                    self._save(job)
+            except Exception:  # a bug must not hang requests: fail the job, keep serving
+                log.exception("kvtier: I/O job for request %s failed", job.req_id)
+                if isinstance(job, LoadBatch):
+                    self._finish_load(job, ok_rows=0)
+                else:
+                    self.save_pool.release(job.buf)
+            finally:
+                with self._cv:
+                    self._busy -= 1
+
+    def _load(self, job: LoadBatch) -> None:
+        if job.req_id in self._failed_reqs:  # an earlier batch missed: nothing after it counts
+            self._finish_load(job, ok_rows=0)
+            return
+        t0 = time.perf_counter()
+        buf = self.load_pool.acquire()
+        try:
+            n = len(job.keys)
+            got = self.store.load(job.keys, [buf.frame(i) for i in range(n)])
+            ok = next((i for i, g in enumerate(got) if g != self.payload_len), n)
+            if ok:
+                self._scatter(buf, job, ok)
+        finally:
+            self.load_pool.release(buf)
+        with self.stats_lock:
+            self.stats.add("load_chunks", ok)
+            self.stats.add("load_bytes", ok * self.payload_len)
+            self.stats.observe_ms("load", (time.perf_counter() - t0) * 1e3)
+        self._finish_load(job, ok_rows=ok)
+
+    def _scatter(self, buf: FrameBuffer, job: LoadBatch, rows: int) -> None:
+        ids = torch.tensor(job.block_ids[:rows], dtype=torch.int64, device=self.paged.device)
+        view = self.paged.payload_view(buf.device_view, rows, buf.stride, block.HEADER_SIZE,
+                                       self.m)
+        if self.stream is None:
+            self.paged.scatter(ids, view, job.skip_first)
+            return
+        with torch.cuda.stream(self.stream):
+            buf.to_device(rows)
+            self.paged.scatter(ids, view, job.skip_first)
+        self.stream.synchronize()
+
+    def _finish_load(self, job: LoadBatch, ok_rows: int) -> None:
+        failed = set()
+        for row, ids in enumerate(job.block_ids[ok_rows:], start=ok_rows):
+            failed.update(ids[job.skip_first:] if row == 0 else ids)
+        with self._cv:
+            if failed:
+                self._failed_reqs.add(job.req_id)
+                self._failed_blocks |= failed
+            if job.last:
+                self._failed_reqs.discard(job.req_id)
+                self._done_loads.append(job.req_id)
+        if failed:
+            with self.stats_lock:
+                self.stats.add("load_error_blocks", len(failed))
+
+    def _save(self, job: SaveBatch) -> None:
+        try:
+            if job.ready is not None:
+                job.ready.synchronize()
+            frames = [job.buf.frame(i) for i in range(len(job.keys))]
+            for key, frame in zip(job.keys, frames):
+                block.seal(frame, key, self.payload_len)
+            lens = [block.HEADER_SIZE + self.payload_len] * len(frames)
+            stored = self.store.save(job.keys, [f[:n] for f, n in zip(frames, lens)], job.hint)
+        finally:
+            self.save_pool.release(job.buf)
+        good = sum(stored)
+        with self.stats_lock:
+            self.stats.add("save_chunks", good)
+            self.stats.add("save_bytes", good * self.payload_len)
+            if good < len(stored):
+                self.stats.add("save_failed_chunks", len(stored) - good)
+            self.stats.observe_ms("save", (time.perf_counter() - job.t0) * 1e3)
+        if good < len(stored):
+            log.warning("kvtier: %d of %d chunks of request %s were not saved (future misses)",
+                        len(stored) - good, len(stored), job.req_id)

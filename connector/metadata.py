@@ -1,0 +1,49 @@
+"""What the scheduler side tells the worker side each step (pickled across processes).
+
+A job moves whole chunks: `keys[i]` (rank-0 namespace) is chunk i, `block_ids[i]` its
+`chunk_tokens / block_size` vLLM block ids in token order.
+
+- `LoadJob`: read the chunks and scatter them into the blocks; the first `skip_first`
+  blocks of chunk 0 already hold a local prefix hit and are not written. The worker reports
+  the request in `finished_recving` when done, and every block it could not fill through
+  `get_block_ids_with_load_errors` (so vLLM recomputes from the first of them).
+- `SaveJob`: gather the chunks from the blocks and save them. The blocks must hold the KV of
+  the chunk's tokens during the step the job arrives in (the worker gathers in
+  `wait_for_save`, after that step's forward).
+- `hold`: requests that finished while the scheduler keeps their blocks for our saves;
+  the worker reports each in `finished_sending` once no save still reads its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    keys: list[str]
+    block_ids: list[list[int]]
+    skip_first: int = 0
+
+
+@dataclass
+class SaveJob:
+    req_id: str
+    keys: list[str]
+    block_ids: list[list[int]]
+    session_id: str | None = None
+    expected_gap_s: float | None = None
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    hold: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.loads or self.saves or self.hold)

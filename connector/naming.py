@@ -1,0 +1,137 @@
+"""What a request's blocks are called: the namespace, the salt, the keys and the session hint.
+
+The namespace is computed from the vLLM config and the KV cache spec alone, identically on
+the scheduler (which has no tensors) and on every worker; the worker then checks that the
+tensors it was given match it (`check_layout`). Keys are the chained chunk hashes of
+`kvtier.store.keys` (blake2b over token ids: no `PYTHONHASHSEED` dependence), salted by what
+changes the KV of equal tokens: LoRA adapter, `cache_salt`, multimodal inputs. Requests
+given as prompt embeddings have no token ids to key and bypass kvtier.
+
+Metadata carries keys in the namespace of TP/PP rank 0; each worker swaps in its own
+namespace fingerprint (`rank_keys`), so one scheduler lookup names every rank's blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvtier.connector.layout import PAYLOAD_FORMAT, LayoutError, LayoutInfo
+from kvtier.store.config import Policy
+from kvtier.store.errors import ConfigError
+from kvtier.store.keys import NS_HEX, Namespace, block_keys
+from kvtier.store.tiered import SessionHint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The per-block KV geometry of the model's one attention cache group."""
+
+    num_layers: int
+    heads: int
+    block_size: int
+    content_bytes: int  # bytes per (head, token): K then V
+    dtype: str
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.heads * self.block_size * self.content_bytes
+
+
+def kv_shape(kv_cache_config: Any) -> KVShape:
+    """Read the geometry from vLLM's `KVCacheConfig`; one attention group is supported."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, compute_layer_kv_cache_shape_bytes
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+        raise ConfigError(f"kvtier supports models with one attention KV cache group; this "
+                          f"model has [{kinds}]; use a full-attention model")
+    spec = groups[0].kv_cache_spec
+    names = set(groups[0].layer_names)
+    layers = sum(len(t.layers) for t in kv_cache_config.kv_cache_tensors
+                 if names.intersection(t.layers))
+    _, heads, tokens, content = compute_layer_kv_cache_shape_bytes(spec, 1)
+    dtype = str(spec.dtype).removeprefix("torch.")
+    quant = getattr(spec, "kv_quant_mode", None)
+    if quant is not None and getattr(quant, "name", "NONE") != "NONE":
+        dtype += f"/{quant.name.lower()}"
+    return KVShape(layers, heads, tokens, content, dtype)
+
+
+def make_namespace(vllm_config: Any, shape: KVShape, policy: Policy,
+                   tp_rank: int = 0, pp_rank: int = 0) -> Namespace:
+    """The namespace of this engine's blocks at one TP/PP rank (rank 0 on the scheduler)."""
+    if policy.chunk_tokens % shape.block_size:
+        good = math.lcm(policy.chunk_tokens, shape.block_size)
+        raise ConfigError(f"{policy.source}: chunk_tokens: {policy.chunk_tokens} is not a "
+                          f"multiple of vLLM's block size {shape.block_size}; set chunk_tokens "
+                          f"to a multiple of it (e.g. {good})")
+    par = vllm_config.parallel_config
+    layout = (f"{PAYLOAD_FORMAT}:L{shape.num_layers}:H{shape.heads}:N{shape.block_size}"
+              f":C{shape.content_bytes}")
+    return Namespace(model=policy.namespace.model or str(vllm_config.model_config.model),
+                     dtype=shape.dtype, layout=layout, block_size=shape.block_size,
+                     chunk_tokens=policy.chunk_tokens, tp_rank=tp_rank,
+                     tp_size=par.tensor_parallel_size, pp_rank=pp_rank,
+                     pp_size=par.pipeline_parallel_size, tenant=policy.namespace.tenant)
+
+
+def rank_namespace(ns: Namespace, tp_rank: int, pp_rank: int) -> Namespace:
+    return replace(ns, tp_rank=tp_rank, pp_rank=pp_rank)
+
+
+def check_layout(info: LayoutInfo, shape: KVShape) -> None:
+    """Raise LayoutError if the worker's tensors do not match the namespace's geometry."""
+    want = (shape.num_layers, shape.heads * shape.block_size * shape.content_bytes)
+    got = (info.num_layers, info.page_bytes)
+    if want != got:
+        raise LayoutError(f"KV tensors hold {got[0]} layers x {got[1]} bytes per block, the KV "
+                          f"cache config says {want[0]} x {want[1]}; kvtier cannot key these "
+                          "blocks (report this layout to the kvtier maintainers)")
+
+
+def rank_keys(keys: list[str], ns_fingerprint: str) -> list[str]:
+    """`keys` (rank-0 namespace) re-prefixed with another rank's namespace fingerprint."""
+    return [ns_fingerprint + k[NS_HEX:] for k in keys]
+
+
+def request_salt(request: Any) -> bytes | None:
+    """What besides the tokens changes this request's KV; None if it cannot be keyed."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return None
+    parts = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={lora.lora_name}")
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={salt}")
+    for f in getattr(request, "mm_features", None) or ():
+        parts.append(f"mm={f.identifier}@{f.mm_position.offset}")
+    return "\x1f".join(parts).encode()
+
+
+def token_keys(ns: Namespace, tokens: Any, salt: bytes) -> list[str]:
+    return block_keys(ns, tokens, salt)
+
+
+def session_hint(request: Any) -> SessionHint | None:
+    """The `{"kvtier": {...}}` part of the request's `kv_transfer_params`, if well formed."""
+    params = getattr(request, "kv_transfer_params", None)
+    raw = params.get("kvtier") if isinstance(params, dict) else None
+    if raw is None:
+        return None
+    sid, gap = (raw.get("session_id"), raw.get("expected_gap_s")) if isinstance(raw, dict) \
+        else (None, None)
+    if not isinstance(raw, dict) or (sid is not None and not isinstance(sid, str)) or (
+            gap is not None and (not isinstance(gap, (int, float)) or gap < 0)):
+        log.warning("request %s: ignoring malformed kv_transfer_params.kvtier %r (expected "
+                    "{'session_id': str, 'expected_gap_s': seconds >= 0})",
+                    getattr(request, "request_id", "?"), raw)
+        return None
+    return SessionHint(session_id=sid, expected_gap_s=None if gap is None else float(gap))

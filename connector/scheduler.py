@@ -1,0 +1,221 @@
+"""Scheduler side: which chunks of a request to load from kvtier and which to save.
+
+- `get_num_new_matched_tokens`: keys for the request's full chunks (leaving at least one
+  token to compute), one batched `store.lookup` of the chunks beyond vLLM's local hit, and
+  the hit beyond the local hit, loaded asynchronously. The hit is in whole chunks; a chunk
+  that starts inside the local hit is loaded without overwriting the local blocks.
+- `update_state_after_alloc`: turns the hit into a `LoadJob` over the allocated blocks.
+- `build_connector_meta`: tracks every scheduled request's block ids, and emits a `SaveJob`
+  for each chunk whose KV is complete after this step and not known to be in kvtier
+  (chunks loaded from kvtier or covered by a local hit are not saved again).
+- `request_finished`: saves the last complete chunks, and keeps the request's blocks
+  (returns True) while any save may still read them; the worker releases them through
+  `finished_sending`. Session hints from `kv_transfer_params` ride along to the store.
+
+A preempted request is looked up again when it resumes, so what it saved comes back from
+kvtier instead of being recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.connector import storeref
+from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob
+from kvtier.connector.naming import (kv_shape, make_namespace, request_salt, session_hint,
+                                     token_keys)
+from kvtier.connector.stats import KVTierStats
+from kvtier.store.errors import KVTierError
+from kvtier.store.tiered import SessionHint
+
+log = logging.getLogger(__name__)
+
+# Where each tier kind sits in vLLM's cache-hit-source taxonomy.
+_HIT_SOURCE = {"mooncake": CacheHitSource.HOST, "nvme": CacheHitSource.DISK,
+               "sharedfs": CacheHitSource.DISK}
+
+
+@dataclass
+class _Plan:
+    """The last lookup's answer for a request: chunks [first, first + hits) are in kvtier."""
+
+    num_computed: int
+    first: int
+    hits: int
+    tiers: tuple[str, ...]
+
+
+@dataclass
+class _Req:
+    request: Any
+    salt: bytes
+    hint: SessionHint | None
+    keys: list[str] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0          # chunks [0, saved_upto) are in kvtier or handed to a save
+    loaded_upto: int | None = None
+    plan: _Plan | None = None
+    sources: dict[CacheHitSource, int] = field(default_factory=dict)
+    saving: bool = False         # a save was ever issued (its blocks may still be read)
+    scheduled: bool = False      # its blocks hold computed (or loaded) KV
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig):
+        self.shape = kv_shape(kv_cache_config)
+        self.ns = make_namespace(vllm_config, self.shape, cfg.policy)
+        self.chunk = cfg.policy.chunk_tokens
+        self.m = self.chunk // self.shape.block_size
+        self.tier_kinds = {t.name: t.kind for t in cfg.policy.tiers}
+        self.store = storeref.acquire(cfg.policy, cfg.node_id, mover=False)
+        self.reqs: dict[str, _Req] = {}
+        self.stats = KVTierStats()
+        self._loads: list[LoadJob] = []
+        self._hold: list[str] = []
+        self._saves: list[SaveJob] = []
+
+    # ---- lookup and load ----------------------------------------------------------------
+
+    def _state(self, request: Any) -> _Req | None:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            salt = request_salt(request)
+            if salt is None:
+                return None
+            st = self.reqs[request.request_id] = _Req(request, salt, session_hint(request))
+        return st
+
+    def _keys(self, st: _Req, n_chunks: int) -> list[str]:
+        if len(st.keys) < n_chunks:
+            tokens = st.request.all_token_ids[: n_chunks * self.chunk]
+            st.keys = token_keys(self.ns, tokens, st.salt)
+        return st.keys[:n_chunks]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        st = self._state(request)
+        limit = (request.num_tokens - 1) // self.chunk  # keep >= 1 token to compute
+        first = num_computed // self.chunk
+        if st is None or first >= limit:
+            return 0, False
+        keys = self._keys(st, limit)
+        try:
+            found = self.store.lookup(keys[first:], st.hint)
+        except KVTierError as e:
+            log.warning("kvtier: lookup failed, serving request %s without it: %s",
+                        request.request_id, e)
+            return 0, False
+        self.stats.add("lookups")
+        self.stats.add("lookup_tokens", limit * self.chunk - num_computed)
+        external = (first + found.hit_blocks) * self.chunk - num_computed
+        if found.hit_blocks == 0 or external <= 0:
+            st.plan = None
+            return 0, False
+        st.plan = _Plan(num_computed, first, found.hit_blocks, found.tiers)
+        return external, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        st = self.reqs.get(request.request_id)
+        if st is None or num_external == 0 or st.plan is None:
+            return
+        plan, st.plan = st.plan, None
+        ids = blocks.get_block_ids()[0]
+        n = min(plan.hits, -(-(plan.num_computed + num_external) // self.chunk) - plan.first)
+        rows = [[ids[c * self.m + j] for j in range(self.m)]
+                for c in range(plan.first, plan.first + n)]
+        skip = plan.num_computed // self.shape.block_size - plan.first * self.m
+        self._loads.append(LoadJob(request.request_id, st.keys[plan.first:plan.first + n],
+                                   rows, skip))
+        st.loaded_upto = st.saved_upto = plan.first + n
+        st.sources = self._account(plan, n, num_external)
+
+    def _account(self, plan: _Plan, n: int, num_external: int) -> dict[CacheHitSource, int]:
+        """Tokens promised per tier (stats), and per vLLM cache-hit source."""
+        out: dict[CacheHitSource, int] = {}
+        left = num_external
+        for i, tier in enumerate(plan.tiers[:n]):
+            tokens = min(left, self.chunk - (plan.num_computed % self.chunk if i == 0 else 0))
+            left -= tokens
+            self.stats.add(f"hit_tokens:{tier}", tokens)
+            src = _HIT_SOURCE.get(self.tier_kinds.get(tier, ""),
+                                  CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[src] = out.get(src, 0) + tokens
+        return {k: v for k, v in out.items() if v}
+
+    def hit_sources(self, request: Any, num_external: int) -> dict[CacheHitSource, int]:
+        st = self.reqs.get(request.request_id)
+        if st is None or sum(st.sources.values()) != num_external:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external} if num_external else {}
+        return dict(st.sources)
+
+    # ---- per step: block tracking and saves ---------------------------------------------
+
+    def build_connector_meta(self, out: Any) -> KVTierMetadata:
+        for new in out.scheduled_new_reqs:
+            st = self.reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            st.scheduled = True
+            local = new.num_computed_tokens // self.chunk
+            # A failed load truncated num_computed_tokens: re-save what gets recomputed.
+            st.saved_upto = local if st.loaded_upto is None else min(st.loaded_upto, local)
+            self._plan_save(st, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id])
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
+            self._plan_save(st, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id])
+        meta = KVTierMetadata(self._loads, self._saves, self._hold)
+        self._loads, self._saves, self._hold = [], [], []
+        return meta
+
+    def _plan_save(self, st: _Req, computed: int, block_ids: list[int] | None = None) -> None:
+        """Save the chunks whose KV is complete at `computed` tokens and whose ids are known."""
+        done = min(computed, st.request.num_tokens) // self.chunk
+        ids = st.block_ids if block_ids is None else block_ids
+        done = min(done, len(ids) // self.m)
+        if done <= st.saved_upto:
+            return
+        keys = self._keys(st, done)
+        rows = [ids[c * self.m:(c + 1) * self.m] for c in range(st.saved_upto, done)]
+        hint = st.hint or SessionHint()
+        self._saves.append(SaveJob(st.request.request_id, keys[st.saved_upto:done], rows,
+                                   hint.session_id, hint.expected_gap_s))
+        st.saved_upto = done
+        st.saving = True
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        st = self.reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        if st.scheduled:  # never scheduled (aborted while loading): its blocks hold nothing yet
+            self._plan_save(st, request.num_computed_tokens, list(block_ids))
+        done = min(request.num_computed_tokens, request.num_tokens) // self.chunk
+        if done:
+            try:
+                self.store.finish(self._keys(st, done), st.hint)
+            except KVTierError as e:
+                log.warning("kvtier: session bookkeeping failed for %s: %s",
+                            request.request_id, e)
+        if st.saving:
+            self._hold.append(request.request_id)
+        return st.saving, None
+
+    def get_stats(self) -> KVTierStats | None:
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        if self.store is not None:
+            storeref.release(self.store)
+            self.store = None

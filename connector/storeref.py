@@ -1,0 +1,50 @@
+"""One `TieredStore` per process and policy, shared by the connector sides that live there.
+
+With vLLM's in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor) the
+scheduler side and the worker side run in one process: they share one store (one Mooncake
+client, one index handle) instead of opening two. The worker is built first and asks for the
+mover; a scheduler-only process gets a lookup-only store (`mover=False`). Reference counted:
+the last `release` closes the store.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvtier.store.config import Policy
+from kvtier.store.tiered import TieredStore
+
+_lock = threading.Lock()
+_stores: dict[tuple[str, str | None], list] = {}  # key -> [store, refcount]
+
+
+def _key(policy: Policy, node_id: str | None) -> tuple[str, str | None]:
+    return (str(policy.index.path), node_id)
+
+
+def acquire(policy: Policy, node_id: str | None, mover: bool) -> TieredStore:
+    """The process's store for `policy` (opened on first use)."""
+    key = _key(policy, node_id)
+    with _lock:
+        entry = _stores.get(key)
+        if entry is not None:
+            entry[1] += 1
+            return entry[0]
+        store = TieredStore(policy, node_id=node_id, mover=mover)
+        _stores[key] = [store, 1]
+        return store
+
+
+def release(store: TieredStore) -> None:
+    """Drop one reference; close the store when it was the last."""
+    with _lock:
+        for key, entry in list(_stores.items()):
+            if entry[0] is store:
+                entry[1] -= 1
+                if entry[1] > 0:
+                    return
+                del _stores[key]
+                break
+        else:
+            return
+    store.close()

@@ -1,0 +1,158 @@
+"""Worker side: the paged KV cache of one TP/PP rank, moved to and from the store.
+
+Per step (vLLM's model runner drives it): `start_load_kv` hands the step's load jobs to the
+I/O thread (asynchronous; those requests are not running); the forward runs; `wait_for_save`
+gathers the step's save jobs into staging buffers right away, so the bytes are out of the
+paged blocks before any later step can reuse them (on CUDA the gather and one bulk
+device-to-host copy are queued on the compute stream, which orders them before later
+writes), then hands sealing and writing to the I/O thread; `get_finished` reports finished
+loads, and held requests once no gather still reads their blocks; failed load blocks go out
+through `get_block_ids_with_load_errors` in the same step as their request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from kvtier.connector import storeref
+from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.io_thread import IOThread, LoadBatch, SaveBatch
+from kvtier.connector.layout import PagedKV
+from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob
+from kvtier.connector.naming import check_layout, kv_shape, make_namespace, rank_keys
+from kvtier.connector.staging import StagingPool
+from kvtier.connector.stats import KVTierStats
+from kvtier.store import block
+from kvtier.store.tiered import SessionHint
+
+log = logging.getLogger(__name__)
+
+
+def _ranks() -> tuple[int, int]:
+    """(tp_rank, pp_rank) of this worker; (0, 0) outside a distributed setup."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group, model_parallel_is_initialized
+    if not model_parallel_is_initialized():
+        return 0, 0
+    return get_tp_group().rank_in_group, get_pp_group().rank_in_group
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig):
+        self.cfg = cfg
+        self.shape = kv_shape(kv_cache_config)
+        tp_rank, pp_rank = _ranks()
+        self.ns = make_namespace(vllm_config, self.shape, cfg.policy, tp_rank, pp_rank)
+        self.fingerprint = self.ns.fingerprint()
+        self.m = cfg.policy.chunk_tokens // self.shape.block_size
+        self.num_blocks = kv_cache_config.num_blocks
+        self.store = storeref.acquire(cfg.policy, cfg.node_id, mover=True)
+        self.paged: PagedKV | None = None
+        self.io: IOThread | None = None
+        self.stats = KVTierStats()
+        self.stats_lock = threading.Lock()
+        self._held: set[str] = set()          # finished requests whose blocks we keep
+        self._finished_seen: set[str] = set()
+        self._gathers: dict[str, list[Any]] = {}  # req -> CUDA events of pending gathers
+        self._errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.paged = PagedKV(kv_caches, self.num_blocks, self.shape.block_size)
+        check_layout(self.paged.info, self.shape)
+        self.payload_len = self.m * self.paged.info.block_bytes
+        stride = block.frame_size(self.payload_len, block.PAGE)
+        per_buffer = max(1, self.cfg.staging_buffer_bytes // stride)
+        device = self.paged.device
+        self.save_pool = StagingPool(per_buffer, stride, device, self.cfg.staging_buffers)
+        load_pool = StagingPool(per_buffer, stride, device, 1)  # only the I/O thread loads
+        self.io = IOThread(self.store, self.paged, load_pool, self.save_pool, self.m,
+                           self.payload_len, self.stats, self.stats_lock)
+        log.info("kvtier: %s KV layout%s, %d layers, %d-byte chunks, namespace %s",
+                 self.paged.info.kind, " (fused)" if self.paged.info.fused else "",
+                 self.paged.info.num_layers, self.payload_len, self.fingerprint)
+
+    # ---- per step -----------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
+        self._held.update(meta.hold)
+        if meta.loads:
+            self._require_registered()
+            for job in meta.loads:
+                self.io.submit_load(self._load_batches(job))
+
+    def _load_batches(self, job: LoadJob) -> list[LoadBatch]:
+        keys = rank_keys(job.keys, self.fingerprint)
+        step = self.io.load_pool.capacity
+        starts = list(range(0, len(keys), step))
+        return [LoadBatch(job.req_id, keys[s:s + step], job.block_ids[s:s + step],
+                          job.skip_first if s == 0 else 0, last=(s == starts[-1]))
+                for s in starts]
+
+    def wait_for_save(self, meta: KVTierMetadata) -> None:
+        if meta.saves:
+            self._require_registered()
+            for job in meta.saves:
+                self._gather(job)
+
+    def _gather(self, job: SaveJob) -> None:
+        keys = rank_keys(job.keys, self.fingerprint)
+        hint = None if job.session_id is None and job.expected_gap_s is None else \
+            SessionHint(job.session_id, job.expected_gap_s)
+        step = self.save_pool.capacity
+        for s in range(0, len(keys), step):
+            n = min(step, len(keys) - s)
+            buf = self.save_pool.acquire()  # waits while all are in flight: backpressure
+            ids = torch.tensor(job.block_ids[s:s + n], dtype=torch.int64,
+                               device=self.paged.device)
+            view = self.paged.payload_view(buf.device_view, n, buf.stride,
+                                           block.HEADER_SIZE, self.m)
+            self.paged.gather(ids, view)
+            ready = None
+            if buf.mirrored:
+                buf.to_host(n)
+                ready = torch.cuda.Event()
+                ready.record()
+                self._gathers.setdefault(job.req_id, []).append(ready)
+            self.io.submit_save(SaveBatch(job.req_id, keys[s:s + n], buf, hint, ready))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._finished_seen |= finished_req_ids
+        sending = set()
+        for req_id in list(self._held & self._finished_seen):
+            events = self._gathers.get(req_id, [])
+            if all(e.query() for e in events):
+                sending.add(req_id)
+                self._held.discard(req_id)
+                self._finished_seen.discard(req_id)
+                self._gathers.pop(req_id, None)
+        self._finished_seen -= self._finished_seen - self._held  # only held ones matter
+        recving: set[str] = set()
+        if self.io is not None:
+            done, failed = self.io.take_results()
+            recving.update(done)
+            self._errors |= failed
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def get_stats(self) -> KVTierStats | None:
+        with self.stats_lock:
+            return self.stats.take()
+
+    def shutdown(self) -> None:
+        if self.io is not None:
+            self.io.stop()
+            self.io = None
+        if self.store is not None:
+            storeref.release(self.store)
+            self.store = None
+
+    def _require_registered(self) -> None:
+        if self.io is None:
+            raise RuntimeError("kvtier: KV jobs arrived before register_kv_caches; the engine "
+                               "must register its KV caches with the connector first")
