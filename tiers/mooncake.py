@@ -120,9 +120,9 @@ class MooncakeTier(Tier):
                 time.sleep(delay)  # the master evicts at its high watermark, asynchronously
                 delay *= 2
         stored = [k for k, ok in zip(keys, done) if ok]
-        raise full_error(self.name, f"pool full with nothing evictable, {len(todo)} of "
-                         f"{len(keys)} blocks not stored",
-                         "lend more memory (capacity), lower soft pinning, or demote blocks",
+        raise full_error(self.name, f"the pool has nothing evictable: every object is leased "
+                         f"or pinned; {len(todo)} of {len(keys)} blocks not stored",
+                         "lend the pool more memory (capacity) or demote blocks to a lower tier",
                          stored)
 
     def get(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int]:

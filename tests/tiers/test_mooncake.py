@@ -1,0 +1,298 @@
+"""The mooncake tier against a real mooncake_master: round trips, zero-copy and staged paths,
+corruption of every kind, a full pool, an unreachable and a restarted master, two processes.
+
+The generic contract suite (tests/tiers/test_contract.py) runs the same tier too; this file
+holds what only the pool has (segments, leases, master restarts, codes).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import make_policy, start_master
+from kvtier.store.block import HEADER_SIZE, alloc_aligned, encode
+from kvtier.store.config import MasterConfig
+from kvtier.store.errors import TierError, TierFullError, TierUnavailableError
+from kvtier.store.index import Index
+from kvtier.store.keys import Namespace
+from kvtier.store.master import EmbeddedMaster, free_port
+from kvtier.tiers import MISS, TierContext, open_tier
+from kvtier.tiers.mooncake_client import MooncakeClient
+
+NS = Namespace(model="kvtier-test-mooncake").fingerprint()
+OTHER_NS = Namespace(model="kvtier-test-other").fingerprint()
+PEER = Path(__file__).with_name("mooncake_peer.py")
+
+
+def new_key(ns: str = NS) -> str:
+    return ns + os.urandom(16).hex()
+
+
+def frames_for(n: int, size: int) -> tuple[list[str], list[bytearray]]:
+    keys = [new_key() for _ in range(n)]
+    return keys, [encode(k, os.urandom(size)) for k in keys]
+
+
+def open_pool(root: Path, address: str, **tier) -> object:
+    base = {"name": "dram", "kind": "mooncake", "capacity": "64MiB", "buffer": "16MiB",
+            "staging": "32MiB", "retry_backoff_s": 0.01}
+    policy = make_policy(root, master_address=address, tiers=[{**base, **tier}])
+    index = Index(root / "index", 16 << 20)
+    return open_tier(policy.tiers[0], TierContext(index, "test", policy.master))
+
+
+@pytest.fixture(scope="module")
+def pool(shared_master, tmp_path_factory):
+    tier = open_pool(tmp_path_factory.mktemp("pool"), shared_master.address)
+    yield tier
+    tier.close()
+
+
+@pytest.fixture(scope="module")
+def raw(pool):
+    """A second store client of this process, to write bytes the tier would never write."""
+    client = MooncakeClient(pool.cfg.model_copy(update={"capacity_bytes": 32 << 20}),
+                            pool.ctx.master)
+    yield client
+    client.close()
+
+
+@pytest.mark.parametrize("size", [1 << 10, 256 << 10, 2 << 20, 16 << 20])
+@pytest.mark.parametrize("registered", [False, True], ids=["staged", "zero-copy"])
+def test_round_trip(pool, size, registered):
+    keys, frames = frames_for(2, size)
+    if registered:
+        slot = -(-(HEADER_SIZE + size) // 4096) * 4096
+        src, dst = alloc_aligned(2 * slot), alloc_aligned(2 * slot)
+        pool.register(src)
+        pool.register(dst)
+        for i, f in enumerate(frames):
+            src[i * slot:i * slot + len(f)] = f
+        puts = [src[i * slot:i * slot + len(f)] for i, f in enumerate(frames)]
+        outs = [dst[i * slot:(i + 1) * slot] for i in range(2)]
+    else:
+        puts, outs = frames, [bytearray(HEADER_SIZE + size) for _ in keys]
+    assert pool.put(keys, puts) == [True, True]
+    assert pool.contains(keys) == [True, True]
+    assert pool.get(keys, outs) == [size, size]
+    for out, frame in zip(outs, frames):
+        assert bytes(out[:len(frame)]) == bytes(frame)
+    assert pool.delete(keys) == 2
+    assert pool.get(keys, outs) == [MISS, MISS]
+
+
+def test_batch_pipeline_mixes_hits_misses_and_both_paths(pool):
+    keys, frames = frames_for(24, 1 << 20)  # 24 MiB: several chunks, staging reused
+    assert all(pool.put(keys, frames))
+    missing = [new_key() for _ in range(3)]
+    dst = alloc_aligned(8 * (2 << 20))
+    pool.register(dst)
+    outs = [dst[i * (2 << 20):(i + 1) * (2 << 20)] for i in range(8)]
+    outs += [bytearray(HEADER_SIZE + (1 << 20)) for _ in range(16 + 3)]
+    before = pool.counters()
+    got = pool.get(keys + missing, outs)
+    assert got == [1 << 20] * 24 + [MISS] * 3
+    assert all(bytes(o[:len(f)]) == bytes(f) for o, f in zip(outs, frames))
+    after = pool.counters()
+    assert after["hits"] - before["hits"] == 24 and after["misses"] - before["misses"] == 3
+    pool.delete(keys)
+
+
+def test_existing_key_counts_as_stored_and_bad_frames_are_refused(pool):
+    keys, frames = frames_for(1, 4096)
+    assert pool.put(keys, frames) == [True]
+    assert pool.put(keys, frames) == [True]
+    with pytest.raises(ValueError, match="sealed for"):
+        pool.put([new_key()], frames)
+    with pytest.raises(ValueError, match="one buffer per key"):
+        pool.get(keys, [])
+    assert pool.put([], []) == [] and pool.get([], []) == [] and pool.contains([]) == []
+
+
+def _corruptions(key: str, frame: bytearray) -> dict[str, bytes]:
+    flipped = bytearray(frame)
+    flipped[HEADER_SIZE + 100] ^= 0x01
+    header = bytearray(frame)
+    header[0:4] = b"XXXX"
+    return {
+        "bit flip": bytes(flipped),
+        "truncated": bytes(frame[:-1000]),
+        "wrong header": bytes(header),
+        "wrong namespace": bytes(encode(OTHER_NS + key[16:], frame[HEADER_SIZE:])),
+        "other key": bytes(encode(new_key(), frame[HEADER_SIZE:])),
+        "oversized": bytes(frame) + b"\0" * 8192,
+    }
+
+
+def test_corrupt_objects_are_counted_removed_and_missed(pool, raw):
+    key = new_key()
+    frame = encode(key, os.urandom(64 << 10))
+    for what, bad in _corruptions(key, frame).items():
+        with raw.session() as store:
+            store.remove(key, True)
+            assert store.put(key, bad) == 0, what
+        before = pool.counters()["corrupt"]
+        out = bytearray(len(frame))
+        assert pool.get([key], [out]) == [MISS], what
+        assert pool.counters()["corrupt"] == before + 1, what
+        assert pool.contains([key]) == [False], f"{what}: not removed from the pool"
+
+
+def test_threads_share_one_tier(pool):
+    errors = []
+
+    def worker(i: int) -> None:
+        try:
+            for _ in range(5):
+                keys, frames = frames_for(4, (64 << 10) * (i + 1))
+                assert all(pool.put(keys, frames))
+                outs = [bytearray(len(f)) for f in frames]
+                assert MISS not in pool.get(keys, outs)
+                assert [bytes(o) for o in outs] == [bytes(f) for f in frames]
+                pool.delete(keys)
+        except Exception as e:  # collected and re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_used_bytes_tracks_puts_and_deletes(pool, shared_master):
+    pool.metrics_url = None  # what this process put
+    base = pool.used_bytes()
+    keys, frames = frames_for(3, 1 << 20)
+    pool.put(keys, frames)
+    assert pool.used_bytes() == base + sum(len(f) for f in frames)
+    pool.delete(keys)
+    assert pool.used_bytes() == base
+    pool.metrics_url = shared_master.metrics_url  # what the master allocated in our segment
+    pool._metrics_cache = (0.0, 0)
+    assert 0 <= pool.used_bytes() <= pool.capacity_bytes
+
+
+def test_full_pool_raises_with_stored_keys_and_keeps_serving(tmp_path):
+    master = start_master(tmp_path)
+    tier = open_pool(tmp_path, master.address, capacity="16MiB", staging="8MiB")
+    try:
+        held, stored_frames = [], []
+        with pytest.raises(TierFullError) as info:
+            for _ in range(12):
+                keys, frames = frames_for(2, 1 << 20)
+                tier.contains(held)  # a read lease on every block: nothing is evictable
+                t0 = time.monotonic()
+                ok = tier.put(keys, frames)
+                held += [k for k, s in zip(keys, ok) if s]
+                stored_frames += [f for f, s in zip(frames, ok) if s]
+        assert time.monotonic() - t0 >= 0.01 + 0.02 + 0.04 + 0.08  # backed off before giving up
+        assert "nothing evictable" in str(info.value) and "capacity" in str(info.value)
+        held += info.value.stored
+        outs = [bytearray(HEADER_SIZE + (1 << 20)) for _ in held[:4]]
+        assert MISS not in tier.get(held[:4], outs)
+    finally:
+        tier.close()
+        master.stop()
+
+
+def test_unreachable_master_at_start_is_a_clear_error(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(TierUnavailableError, match=f"{address}.*kvtier master"):
+        open_pool(tmp_path, address)
+    assert time.monotonic() - t0 < 5  # a TCP probe, not Mooncake's 90 s of setup retries
+
+
+def test_embedded_master_is_started_when_none_answers(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    tiers = [{"name": "dram", "kind": "mooncake", "capacity": "16MiB", "staging": "8MiB"}]
+    policy = make_policy(tmp_path, master_address=address, tiers=tiers,
+                         master={"address": address, "embedded": True})
+    tier = open_tier(policy.tiers[0], TierContext(Index(tmp_path / "ix", 16 << 20), "t",
+                                                  policy.master))
+    try:
+        assert tier.client.owned_master is not None and tier.client.owned_master.alive()
+        keys, frames = frames_for(1, 4096)
+        assert tier.put(keys, frames) == [True]
+    finally:
+        tier.close()
+        tier.client.owned_master.stop()
+
+
+def test_master_killed_mid_run_then_restarted_on_the_same_port(tmp_path):
+    port = free_port()
+    cfg = MasterConfig(address=f"127.0.0.1:{port}")
+    master = EmbeddedMaster(cfg, log_path=tmp_path / "m1.log").start()
+    tier = open_pool(tmp_path, master.address)
+    try:
+        keys, frames = frames_for(2, 256 << 10)
+        assert tier.put(keys, frames) == [True, True]
+        master.kill()
+        outs = [bytearray(len(f)) for f in frames]
+        with pytest.raises(TierUnavailableError, match=f"127.0.0.1:{port}"):
+            tier.get(keys, outs)
+        t0 = time.monotonic()
+        for op in (lambda: tier.contains(keys), lambda: tier.put(keys, frames),
+                   lambda: tier.delete(keys)):
+            with pytest.raises(TierUnavailableError, match=f"127.0.0.1:{port}.*kvtier master"):
+                op()
+        assert time.monotonic() - t0 < 1.0  # down: fail fast, no RPC retries
+        master = EmbeddedMaster(cfg, log_path=tmp_path / "m2.log").start()
+        assert tier.get(keys, outs) == [MISS, MISS]  # a new master knows no objects
+        assert tier.put(keys, frames) == [True, True]  # same process, reconnected
+        assert tier.get(keys, outs) == [256 << 10] * 2
+        assert [bytes(o) for o in outs] == [bytes(f) for f in frames]
+    finally:
+        tier.close()
+        master.stop()
+
+
+def test_two_processes_exchange_blocks(tmp_path):
+    from mooncake_peer import key_for, payload  # tests/tiers is on sys.path (rootdir import)
+
+    master = start_master(tmp_path)
+    peer = subprocess.Popen([sys.executable, str(PEER), master.address, str(tmp_path / "peer")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    tier = None
+    try:
+        assert peer.stdout.readline().strip() == "ready"
+        peer.stdin.write("put 7 300000\n")
+        peer.stdin.flush()
+        key = peer.stdout.readline().split()[1]
+        # Opened after the peer's put, so the peer's segment was the only place for it.
+        tier = open_pool(tmp_path, master.address)
+        out = bytearray(HEADER_SIZE + 300000)
+        assert tier.get([key], [out]) == [300000]
+        assert bytes(out[HEADER_SIZE:]) == payload(7, 300000)
+        mine = key_for(8)
+        assert tier.put([mine], [encode(mine, payload(8, 123456))]) == [True]
+        peer.stdin.write(f"get {mine} 8 123456\n")
+        peer.stdin.flush()
+        assert peer.stdout.readline().strip() == "ok"
+        peer.kill()  # SIGKILL: its segment, and the block in it, are gone
+        peer.wait()
+        errors = tier.counters()["errors"]
+        assert tier.get([key], [out]) == [MISS]  # a miss, never an exception
+        assert tier.counters()["errors"] == errors + 1  # -800: its lender died (client TTL)
+    finally:
+        peer.kill()
+        if tier is not None:
+            tier.close()
+        master.stop()
+
+
+def test_missing_mooncake_package_names_the_install(monkeypatch):
+    from kvtier.tiers import mooncake_client
+
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    with pytest.raises(TierError, match="pip install"):
+        mooncake_client.import_mooncake()

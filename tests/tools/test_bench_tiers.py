@@ -1,0 +1,76 @@
+"""`kvtier bench tiers`: a tiny real run on the mooncake tier (numbers, ratios, JSON), fio's
+JSON parsing and one real fio job, and the target rules."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from kvtier.tools import bench_fio, bench_tiers
+from kvtier.tools.bench_report import Row, check_targets, link_references
+
+KiB, MiB = 1 << 10, 1 << 20
+TINY = bench_tiers.BenchSpec(sizes=(256 * KiB,), batches=(1, 4), op_bytes=2 * MiB,
+                             max_batch_bytes=4 * MiB, min_iters=2, max_iters=4, fio=False)
+
+
+def test_mooncake_against_raw_in_one_run(tmp_path):
+    rows, refs, targets = bench_tiers.run_bench(TINY, root=tmp_path, only={"mooncake"})
+    assert {r.target for r in rows} == {"dram[zero-copy]", "dram[staging]"}
+    assert {r.target for r in refs} == {"raw mooncake"}
+    assert len(rows) == 2 * 2 * 2  # 2 variants x 2 batches x (put, get)
+    for row in rows:
+        assert row.gbps > 0 and 0 < row.p50_ms <= row.p99_ms
+        assert row.reference == "raw mooncake" and row.ratio == pytest.approx(
+            row.gbps / row.ref_gbps)
+    assert len(targets) == 4 and all(t["target"].startswith("dram[zero-copy]") for t in targets)
+
+
+def test_cli_writes_json(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtier.tools.cli import app
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "tiers", "--quick", "--tiers", "dram",
+                                      "--sizes", "256KiB", "--batches", "2", "--no-fio",
+                                      "--dir", str(tmp_path / "b"), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["cores"] >= 1 and doc["spec"]["sizes"] == [256 * KiB]
+    assert {r["target"] for r in doc["results"]} == {"dram[zero-copy]", "dram[staging]"}
+    assert "ratio" in result.output and "raw mooncake" in result.output
+
+
+def test_parse_fio_json():
+    text = ('note: both iodepth >= 1 and synchronous I/O engine\n{"jobs": [{"read": {'
+            '"bw_bytes": 2000000000, "clat_ns": {"percentile": {"50.000000": 1500000, '
+            '"99.000000": 4000000}}}, "write": {"bw_bytes": 0}}]}')
+    res = bench_fio.parse_fio(text, "read", 2 * MiB, 32, 64 * MiB)
+    assert res.gbps == 2.0 and res.p50_ms == 1.5 and res.p99_ms == 4.0
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+def test_real_fio_write_then_read(tmp_path):
+    write = bench_fio.run_fio(tmp_path, "write", 256 * KiB, 4, 8 * MiB)
+    read = bench_fio.run_fio(tmp_path, "read", 256 * KiB, 4, 8 * MiB)
+    assert write.gbps > 0 and read.gbps > 0 and read.p99_ms >= read.p50_ms > 0
+
+
+def test_targets_judge_nvme_at_2mib_and_uring_against_psync():
+    def row(target, op, block, batch, gbps, **extra):
+        return Row(target, "nvme", op, block, batch, gbps, 1, 2, reference="fio",
+                   extra={"ref_batch": 32 if batch > 1 else 1, **extra})
+
+    rows = [row("nvme[uring]", "put", 2 * MiB, 64, 1.7, engine="uring"),
+            row("nvme[psync]", "put", 2 * MiB, 64, 1.0, engine="psync"),
+            row("nvme[uring]", "put", 256 * KiB, 64, 0.1, engine="uring")]
+    refs = [Row("fio", "reference", "write", 2 * MiB, 32, 2.0, 1, 2),
+            Row("fio", "reference", "write", 256 * KiB, 32, 2.0, 1, 2)]
+    link_references(rows, refs)
+    assert rows[0].ratio == pytest.approx(0.85)
+    got = {t["target"]: t["met"] for t in check_targets(rows)}
+    assert got == {"nvme[uring] put >= 80% of fio": True,
+                   "nvme[uring] put beats psync at queue depth > 1": True}
