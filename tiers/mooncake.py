@@ -68,7 +68,7 @@ class MooncakeTier(Tier):
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{cfg.name}")
         self._mine: dict[str, int] = {}  # frames this process put: key -> bytes
         self._mine_lock = threading.Lock()
-        self.metrics_url = self._find_metrics_url()
+        self.metrics_url: str | None = None  # set to override where usage is read from
         self._metrics_cache = (0.0, 0)
 
     # ---- the contract --------------------------------------------------------------------
@@ -98,6 +98,9 @@ class MooncakeTier(Tier):
             header = parse_header(view)
             if header.key != key:
                 raise ValueError(f"frame sealed for {header.key}, not {key}; seal it for its key")
+            if len(view) < header.frame_len:
+                raise ValueError(f"frame of {len(view)} bytes is shorter than its header says "
+                                 f"({header.frame_len}); pass the whole sealed frame")
             sizes.append(header.frame_len)
         done = [False] * len(keys)
         todo, delay = list(range(len(keys))), self.cfg.retry_backoff_s
@@ -256,6 +259,9 @@ class MooncakeTier(Tier):
                     self._mine.pop(key, None)
 
     def _find_metrics_url(self) -> str | None:
+        """The master's metrics endpoint, where known: set, owned, or in its flags."""
+        if self.metrics_url:
+            return self.metrics_url
         owned = self.client.owned_master
         if owned is not None:
             return owned.metrics_url
@@ -264,13 +270,14 @@ class MooncakeTier(Tier):
 
     def _metrics_used(self) -> int | None:
         """Bytes allocated in this process's segment, from the master's metrics endpoint."""
-        if not self.metrics_url:
+        url = self._find_metrics_url()
+        if not url:
             return None
         at, value = self._metrics_cache
         if time.monotonic() - at < METRICS_MAX_AGE_S:
             return value
         try:
-            with urllib.request.urlopen(self.metrics_url, timeout=0.5) as resp:
+            with urllib.request.urlopen(url, timeout=0.5) as resp:
                 text = resp.read().decode()
         except OSError:
             return None  # metrics down: fall back to what this process put
