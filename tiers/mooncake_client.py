@@ -27,6 +27,7 @@ for ~10 s (the master's client TTL), then -704; `close()` takes ~2 s.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -68,7 +69,10 @@ def import_mooncake() -> Any:
 
 def buffer_address(buf) -> int:
     """The address of the first byte of a C-contiguous buffer (read-only is fine)."""
-    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))  # writable: 4x cheaper
+    except TypeError:
+        return np.frombuffer(buf, dtype=np.uint8).ctypes.data
 
 
 class _Handle:
