@@ -32,9 +32,19 @@ from kvtier.connector.stats import KVTierPromMetrics, KVTierStats
 log = logging.getLogger(__name__)
 
 
+def _log_through_vllm() -> None:
+    """Send kvtier's log records through vLLM's handlers (same format, same destination)."""
+    ours = logging.getLogger("kvtier")
+    if not ours.handlers:
+        ours.handlers = list(logging.getLogger("vllm").handlers)
+        ours.setLevel(logging.INFO)
+        ours.propagate = not ours.handlers
+
+
 class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_through_vllm()
         cfg = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self._scheduler = self._worker = None
         if role == KVConnectorRole.SCHEDULER:

@@ -61,6 +61,8 @@ class _Req:
     loaded_upto: int | None = None
     plan: _Plan | None = None
     sources: dict[CacheHitSource, int] = field(default_factory=dict)
+    tier_tokens: dict[str, int] = field(default_factory=dict)
+    saved_chunks: int = 0
     saving: bool = False         # a save was ever issued (its blocks may still be read)
     scheduled: bool = False      # its blocks hold computed (or loaded) KV
 
@@ -131,9 +133,10 @@ class SchedulerSide:
         self._loads.append(LoadJob(request.request_id, st.keys[plan.first:plan.first + n],
                                    rows, skip))
         st.loaded_upto = st.saved_upto = plan.first + n
-        st.sources = self._account(plan, n, num_external)
+        st.sources = self._account(st, plan, n, num_external)
 
-    def _account(self, plan: _Plan, n: int, num_external: int) -> dict[CacheHitSource, int]:
+    def _account(self, st: _Req, plan: _Plan, n: int, num_external: int
+                 ) -> dict[CacheHitSource, int]:
         """Tokens promised per tier (stats), and per vLLM cache-hit source."""
         out: dict[CacheHitSource, int] = {}
         left = num_external
@@ -141,6 +144,7 @@ class SchedulerSide:
             tokens = min(left, self.chunk - (plan.num_computed % self.chunk if i == 0 else 0))
             left -= tokens
             self.stats.add(f"hit_tokens:{tier}", tokens)
+            st.tier_tokens[tier] = st.tier_tokens.get(tier, 0) + tokens
             src = _HIT_SOURCE.get(self.tier_kinds.get(tier, ""),
                                   CacheHitSource.EXTERNAL_UNSPECIFIED)
             out[src] = out.get(src, 0) + tokens
@@ -192,10 +196,12 @@ class SchedulerSide:
         hint = st.hint or SessionHint()
         self._saves.append(SaveJob(st.request.request_id, keys[st.saved_upto:done], rows,
                                    hint.session_id, hint.expected_gap_s))
+        st.saved_chunks += done - st.saved_upto
         st.saved_upto = done
         st.saving = True
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """(keep the blocks?, `{"kvtier": {"hit_tokens": {tier: n}, "saved_chunks": n}}`)."""
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False, None
@@ -210,7 +216,8 @@ class SchedulerSide:
                             request.request_id, e)
         if st.saving:
             self._hold.append(request.request_id)
-        return st.saving, None
+        return st.saving, {"kvtier": {"hit_tokens": dict(st.tier_tokens),
+                                      "saved_chunks": st.saved_chunks}}
 
     def get_stats(self) -> KVTierStats | None:
         return self.stats.take()
