@@ -21,7 +21,9 @@ model share blocks.
 
 Moves are batched: a gather is one `index_select` per block position of a chunk (`m` ops
 for all layers when the layers share one storage at a fixed stride, `m * L` otherwise), a
-scatter the same with `index_copy_`; never a per-block copy loop.
+scatter the same with `index_copy_`; never a per-block copy loop. On CPU the scatter is a
+NumPy fancy assignment over the same memory instead: torch's CPU `index_copy_` copies
+element by element (measured 2-5 GB/s here, NumPy 10 GB/s, `index_select` 15-20 GB/s).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from kvtier.store.errors import KVTierError
 
 PAYLOAD_FORMAT = "kvtier-v1:BL-HNC"
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class LayoutError(KVTierError):
@@ -158,10 +161,20 @@ class PagedKV:
             if ids.numel() == 0:
                 continue
             if self.fused is not None:
-                self.fused.index_copy_(0, ids, rows)
+                _index_copy(self.fused, ids, rows)
             else:
                 for layer, v in enumerate(self.views):
-                    v.index_copy_(0, ids, rows[:, layer])
+                    _index_copy(v, ids, rows[:, layer])
+
+
+def _index_copy(dst: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """`dst[ids] = rows` along dim 0, in place, with the fastest kernel for the device."""
+    if dst.device.type != "cpu":
+        dst.index_copy_(0, ids, rows)
+        return
+    as_int = _SAME_SIZE_INT[dst.element_size()]
+    dst_np = dst.view(as_int).numpy()
+    dst_np[ids.numpy()] = rows.view(as_int).numpy()
 
 
 def _fuse_layers(views: list[torch.Tensor]) -> torch.Tensor | None:
