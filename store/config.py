@@ -97,6 +97,25 @@ class MasterConfig(BaseModel):
         return int(self.address.rsplit(":", 1)[1])
 
 
+class MoverConfig(BaseModel):
+    """The background mover: demotion, persistence, promotion and prefetch, bounded."""
+
+    model_config = _FROZEN
+    buffer_bytes: Size = Field(default=256 << 20, alias="buffer", gt=0)
+    batch_blocks: int = Field(default=32, ge=1, le=4096)
+    queue_blocks: int = Field(default=65536, ge=1)
+    interval_s: float = Field(default=0.2, gt=0)
+    high_watermark: float = Field(default=0.9, gt=0, le=1)
+    low_watermark: float = Field(default=0.8, gt=0, lt=1)
+    promote_on_hit: bool = True
+
+    @model_validator(mode="after")
+    def _low_below_high(self) -> "MoverConfig":
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError("low_watermark must be below high_watermark")
+        return self
+
+
 class MooncakeTierConfig(BaseModel):
     """The pooled DRAM tier; `capacity` is the segment this process lends to the pool."""
 
@@ -175,6 +194,7 @@ class Policy(BaseModel):
     chunk_tokens: int = Field(default=256, ge=1, le=65536)
     index: IndexConfig
     master: MasterConfig = MasterConfig()
+    mover: MoverConfig = MoverConfig()
     tiers: list[TierConfig] = Field(min_length=1)
     eviction: EvictionConfig = Field(default_factory=lambda: EVICTION_KINDS["lru"](kind="lru"))
     admission: AdmissionConfig = Field(
