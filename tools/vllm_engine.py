@@ -8,6 +8,9 @@
   `kv_transfer_params` the connector returned, and the wall time. By default the engine
   runs in one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor): scheduler and
   worker in one address space, which starts in seconds instead of a minute on small CPUs.
+  `num_blocks` overrides the KV cache size (to force preemption); `dtype="float32"` keeps
+  greedy outputs comparable across batch shapes (a random model's logits have near-ties
+  that bf16 rounding flips: vLLM alone gives different tokens batched and unbatched).
 - `kvtier_transfer_config(policy)`: the `--kv-transfer-config` for the kvtier connector.
 
 Replies are JSON lines on a pipe of their own (so a chatty engine can never fill it and
@@ -74,11 +77,13 @@ class Engine:
 
     def __init__(self, model: str | os.PathLike[str], log_path: str | os.PathLike[str], *,
                  kv_transfer_config: dict | None = None, block_size: int = 32,
-                 max_model_len: int = 20480, kv_cache_gib: int = 1, inproc: bool = True,
+                 max_model_len: int = 20480, kv_cache_gib: int = 1,
+                 num_blocks: int | None = None, dtype: str = "bfloat16", inproc: bool = True,
                  env: dict[str, str] | None = None, startup_timeout_s: float = 600):
         self.log_path = Path(log_path)
         spec = {"model": str(model), "kv_transfer_config": kv_transfer_config,
-                "block_size": block_size, "max_model_len": max_model_len, "inproc": inproc}
+                "block_size": block_size, "max_model_len": max_model_len, "inproc": inproc,
+                "num_blocks": num_blocks, "dtype": dtype}
         child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
                      "PYTHONUNBUFFERED": "1", **(env or {})}
         if inproc:
@@ -182,11 +187,13 @@ def _serve(spec: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     kwargs: dict[str, Any] = dict(
-        model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+        model=spec["model"], skip_tokenizer_init=True, dtype=spec["dtype"], seed=0,
         enforce_eager=True, enable_prefix_caching=True, block_size=spec["block_size"],
         max_model_len=spec["max_model_len"])
     if spec["inproc"]:
         kwargs["distributed_executor_backend"] = "uni"
+    if spec.get("num_blocks"):
+        kwargs["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     llm = LLM(**kwargs)
