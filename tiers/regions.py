@@ -1,0 +1,323 @@
+"""Region bookkeeping of the nvme tier, kept in the node's LMDB index (CacheLib BlockCache style).
+
+The tier's data file is `n_regions` regions of `region_bytes`. A writer process owns one OPEN
+region and appends frames to it at 4 KiB-aligned offsets; a full region is SEALED and queued in
+seal order; when no fresh region is left, the oldest sealed region is reclaimed whole (FIFO).
+All of it happens inside LMDB write transactions, so two processes never get the same bytes.
+
+One LMDB table per tier (`nvme.<tier>`), rows by prefix:
+- `S` slot -> region record (state, owner pid and open time, generation, write offset, seq)
+- `Q` seq -> slot: the sealed FIFO, oldest first
+- `B` slot gen offset -> block key: what was allocated where (to find a region's blocks)
+- `C` slot gen -> b"": a reclaimed generation whose index entries still need dropping
+- `P` slot -> b"": an open region without a live writer, to be adopted first
+- `M` name -> value: the fresh-slot counter, the seal counter, the layout
+
+Locations in the index: `loc_a = gen << 32 | slot`, `loc_b = offset in the region`. Reclaim
+bumps the region's generation in the same transaction that hands it to its new writer, so an
+index entry of the old generation is dead at once; readers check the generation and the
+frame header, and the `C` rows let the tier drop those entries even after a crash.
+
+A region is reclaimed only when none of its blocks is PENDING for a live writer: the writer
+reserves its entries, then re-checks the generation before writing a byte, so a reclaimer
+either sees the reservation and skips the region, or bumps the generation first and the writer
+aborts. Open regions of dead writers are parked and adopted by the next writer that needs room.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+
+from kvtier.store.index import Index
+from kvtier.store.index_record import PENDING, decode_entry, owner_alive
+from kvtier.store.keys import key_bytes
+
+OPEN, SEALED, RETIRED = 1, 2, 3
+_REC = struct.Struct("<BxxxIdIxxxxQQ")  # state, pid, opened_at, gen, write offset, seal seq
+_SLOT = struct.Struct(">I")
+_SEQ = struct.Struct(">Q")
+_BLK = struct.Struct(">IIQ")  # slot, gen, offset (big endian: cursor order = region order)
+
+
+@dataclass
+class Region:
+    slot: int
+    state: int = OPEN
+    pid: int = 0
+    opened_at: float = 0.0
+    gen: int = 1
+    off: int = 0
+    seq: int = 0
+
+    def encode(self) -> bytes:
+        return _REC.pack(self.state, self.pid, self.opened_at, self.gen, self.off, self.seq)
+
+    @classmethod
+    def decode(cls, slot: int, raw: bytes) -> "Region":
+        return cls(slot, *_REC.unpack(raw))
+
+
+@dataclass
+class Allocation:
+    """Where each frame of a batch goes, and which old generations were reclaimed for it."""
+
+    locs: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, gen, offset)
+    reclaimed: list[tuple[int, int]] = field(default_factory=list)  # (slot, old gen)
+
+
+def pack_loc(slot: int, gen: int) -> int:
+    return gen << 32 | slot
+
+
+def unpack_loc(loc_a: int) -> tuple[int, int]:
+    return loc_a & 0xFFFFFFFF, loc_a >> 32
+
+
+class NoRegionError(Exception):
+    """Every region is open by a live writer or has writes in flight."""
+
+
+class RegionTable:
+    """The region rows of one nvme tier; every method runs in its own LMDB transaction."""
+
+    def __init__(self, index: Index, tier: str, n_regions: int, region_bytes: int):
+        self.index, self.tier = index, tier
+        self.n_regions, self.region_bytes = n_regions, region_bytes
+        self._tid = index.tier_id(tier)
+        self._mine: tuple[int, float] | None = None  # (slot, opened_at) of this process's region
+        self._pid = os.getpid()
+
+    def _open_table(self) -> None:
+        """Look the table up before a transaction starts: opening a named database inside
+        one would start a second write transaction and deadlock. After a fork the index
+        reopens its environment, so the handle is refreshed at every call."""
+        self._db = self.index.table(f"nvme.{self.tier}")
+
+    # ---- open and close --------------------------------------------------------------
+
+    def check_layout(self) -> str | None:
+        """Record the region size on first use; return the recorded one if it differs."""
+        self._open_table()
+
+        def go(txn):
+            have = txn.get(b"Mlayout", db=self._db)
+            if have is None:
+                txn.put(b"Mlayout", str(self.region_bytes).encode(), db=self._db)
+                return None
+            return None if int(have) == self.region_bytes else have.decode()
+        return self.index.run_write(go)
+
+    def recover(self) -> None:
+        """Park open regions of dead writers; retire slots beyond `n_regions` (capacity shrank)
+        and bring back retired slots within it (capacity grew again)."""
+        self._open_table()
+
+        def go(txn):
+            for r in self._regions(txn):
+                if r.slot >= self.n_regions and r.state != RETIRED:
+                    self._retire(txn, r)
+                elif r.slot < self.n_regions and r.state == RETIRED:
+                    r.state = OPEN
+                    self._park(txn, r)
+                elif r.state == OPEN and r.pid and not owner_alive(r.pid, r.opened_at):
+                    self._park(txn, r)
+        self.index.run_write(go)
+
+    def _regions(self, txn) -> list[Region]:
+        """Every region row (a scan: at open, or when nothing else is left)."""
+        cur, out = txn.cursor(db=self._db), []
+        if cur.set_range(b"S"):
+            for k, raw in cur:
+                if k[:1] != b"S":
+                    break
+                out.append(Region.decode(_SLOT.unpack(k[1:])[0], raw))
+        return out
+
+    def park_mine(self) -> None:
+        """Let another writer adopt this process's open region (at close)."""
+        self._open_table()
+        if self._mine is None or os.getpid() != self._pid:
+            return
+
+        def go(txn):
+            r = self._get(txn, self._mine[0])
+            if r.state == OPEN and r.pid == os.getpid() and r.opened_at == self._mine[1]:
+                self._park(txn, r)
+        self.index.run_write(go)
+        self._mine = None
+
+    # ---- allocation --------------------------------------------------------------------
+
+    def allocate(self, sizes: list[int], keys: list[str]) -> Allocation:
+        """Reserve `sizes[i]` bytes (multiples of 4 KiB, each <= region_bytes) for `keys[i]`."""
+        self._open_table()
+        if os.getpid() != self._pid:
+            self._pid, self._mine = os.getpid(), None
+
+        def go(txn) -> Allocation:
+            out = Allocation()
+            r = self._my_region(txn)
+            for size, key in zip(sizes, keys):
+                if r is None or r.off + size > self.region_bytes:
+                    if r is not None:
+                        self._seal(txn, r)
+                    r = self._take(txn, out)
+                out.locs.append((r.slot, r.gen, r.off))
+                txn.put(b"B" + _BLK.pack(r.slot, r.gen, r.off), key_bytes(key), db=self._db)
+                r.off += size
+            if r is not None:
+                self._put(txn, r)
+            return out
+
+        return self.index.run_write(go)
+
+    def _my_region(self, txn) -> Region | None:
+        if self._mine is None:
+            return None
+        r = self._get(txn, self._mine[0])
+        if r.state == OPEN and r.pid == os.getpid() and r.opened_at == self._mine[1]:
+            return r
+        self._mine = None
+        return None
+
+    def _take(self, txn, out: Allocation) -> Region:
+        """A region for this process: a parked one, a fresh one, or the oldest reclaimable."""
+        for attempt in range(2):
+            r = self._adopt(txn) or self._fresh(txn) or self._reclaim(txn, out)
+            if r is not None:
+                break
+            self._park_dead(txn)
+        else:
+            raise NoRegionError()
+        r.state, r.pid, r.opened_at = OPEN, os.getpid(), time.time()
+        self._mine = (r.slot, r.opened_at)
+        return r
+
+    def _adopt(self, txn) -> Region | None:
+        cur = txn.cursor(db=self._db)
+        while cur.set_range(b"P") and cur.key()[:1] == b"P":
+            k = cur.key()
+            txn.delete(k, db=self._db)
+            r = self._get(txn, _SLOT.unpack(k[1:])[0])
+            if r.state == OPEN and r.pid == 0 and r.off < self.region_bytes:
+                return r
+        return None
+
+    def _fresh(self, txn) -> Region | None:
+        raw = txn.get(b"Mfresh", db=self._db)
+        slot = int(raw) if raw else 0
+        if slot >= self.n_regions:
+            return None
+        txn.put(b"Mfresh", str(slot + 1).encode(), db=self._db)
+        return Region(slot)
+
+    def _reclaim(self, txn, out: Allocation) -> Region | None:
+        cur = txn.cursor(db=self._db)
+        if not cur.set_range(b"Q"):
+            return None
+        for k, raw in cur:
+            if k[:1] != b"Q":
+                return None
+            r = self._get(txn, _SLOT.unpack(raw)[0])
+            if self._has_live_writes(txn, r):
+                continue  # a writer is still filling it: try the next oldest
+            txn.delete(k, db=self._db)
+            out.reclaimed.append((r.slot, r.gen))
+            txn.put(b"C" + _SLOT.pack(r.slot) + _SLOT.pack(r.gen), b"", db=self._db)
+            r.gen, r.off, r.seq = r.gen + 1, 0, 0
+            return r
+        return None
+
+    def _has_live_writes(self, txn, r: Region) -> bool:
+        blocks, loc_a = self.index.db("blocks"), pack_loc(r.slot, r.gen)
+        for off, kb in self._blocks(txn, r.slot, r.gen):
+            raw = txn.get(kb + bytes([self._tid]), db=blocks)
+            if raw is None:
+                continue
+            e = decode_entry(raw)
+            if (e.state == PENDING and e.loc_a == loc_a and e.loc_b == off
+                    and owner_alive(e.owner_pid, e.created)):
+                return True
+        return False
+
+    def _park_dead(self, txn) -> None:
+        for r in self._regions(txn):
+            if r.state == OPEN and r.pid and not owner_alive(r.pid, r.opened_at):
+                self._park(txn, r)
+
+    def _park(self, txn, r: Region) -> None:
+        r.pid = 0
+        self._put(txn, r)
+        txn.put(b"P" + _SLOT.pack(r.slot), b"", db=self._db)
+
+    def _seal(self, txn, r: Region) -> None:
+        raw = txn.get(b"Mseq", db=self._db)
+        r.seq = int(raw) + 1 if raw else 1
+        txn.put(b"Mseq", str(r.seq).encode(), db=self._db)
+        r.state, r.pid = SEALED, 0
+        txn.put(b"Q" + _SEQ.pack(r.seq), _SLOT.pack(r.slot), db=self._db)
+        self._put(txn, r)
+        self._mine = None
+
+    def _retire(self, txn, r: Region) -> None:
+        if r.state == SEALED:
+            txn.delete(b"Q" + _SEQ.pack(r.seq), db=self._db)
+        txn.put(b"C" + _SLOT.pack(r.slot) + _SLOT.pack(r.gen), b"", db=self._db)
+        r.state, r.pid, r.gen, r.off = RETIRED, 0, r.gen + 1, 0
+        self._put(txn, r)
+
+    # ---- reads and cleanup -------------------------------------------------------------
+
+    def generations(self, slots: set[int]) -> dict[int, int]:
+        """The current generation of each slot (0 for a slot never used or retired)."""
+        self._open_table()
+        out = {}
+        with self.index.read() as txn:
+            for slot in slots:
+                raw = txn.get(b"S" + _SLOT.pack(slot), db=self._db)
+                r = Region.decode(slot, raw) if raw else None
+                out[slot] = r.gen if r is not None and r.state != RETIRED else 0
+        return out
+
+    def pending_cleanups(self) -> list[tuple[int, int, list[tuple[int, str]]]]:
+        """Each reclaimed (slot, old gen) not yet cleaned, with its (offset, key) blocks."""
+        self._open_table()
+        with self.index.read() as txn:
+            cur, todo = txn.cursor(db=self._db), []
+            if cur.set_range(b"C"):
+                for k, _ in cur:
+                    if k[:1] != b"C":
+                        break
+                    todo.append((_SLOT.unpack(k[1:5])[0], _SLOT.unpack(k[5:9])[0]))
+            return [(s, g, [(off, kb.hex()) for off, kb in self._blocks(txn, s, g)])
+                    for s, g in todo]
+
+    def finish_cleanup(self, slot: int, gen: int) -> None:
+        """Drop the `B` rows and the `C` marker of a cleaned generation."""
+        self._open_table()
+
+        def go(txn):
+            for off, _ in self._blocks(txn, slot, gen):
+                txn.delete(b"B" + _BLK.pack(slot, gen, off), db=self._db)
+            txn.delete(b"C" + _SLOT.pack(slot) + _SLOT.pack(gen), db=self._db)
+        self.index.run_write(go)
+
+    def _blocks(self, txn, slot: int, gen: int) -> list[tuple[int, bytes]]:
+        prefix = b"B" + _BLK.pack(slot, gen, 0)[:8]
+        cur, out = txn.cursor(db=self._db), []
+        if cur.set_range(prefix):
+            for k, kb in cur:
+                if k[:9] != prefix:
+                    break
+                out.append((_BLK.unpack(k[1:])[2], bytes(kb)))
+        return out
+
+    def _get(self, txn, slot: int) -> Region:
+        raw = txn.get(b"S" + _SLOT.pack(slot), db=self._db)
+        return Region.decode(slot, raw) if raw else Region(slot)
+
+    def _put(self, txn, r: Region) -> None:
+        txn.put(b"S" + _SLOT.pack(r.slot), r.encode(), db=self._db)
