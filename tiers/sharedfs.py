@@ -1,0 +1,353 @@
+"""The sharedfs tier: one file per block on a filesystem every node mounts (NFS, Lustre, 3FS).
+
+Files (see `tiers.sharedfs_files`): `root/ab/cd/<key>.kvb`, written to a temp file, fsynced
+(policy `fsync`) and renamed, so readers never see a partial frame and two nodes writing one
+key is safe. Reads go through `aiofiles`, a batch concurrently, on a private event loop thread.
+Any node reads any node's blocks: `get` and `contains` look at the files, not at the index.
+
+Accounting: this node's writes are recorded in its LMDB index (reserve -> write -> commit), so
+`used_bytes()` is what this node stored, exactly and cheaply. `capacity` is this node's share
+of the shared directory (set it to the share each node may use). `rescan()` walks the whole
+tree for the total of all nodes and drops entries of files other nodes removed.
+
+When full: the tier evicts FIFO by index age among this node's own files (oldest first),
+like the nvme tier reclaims its oldest region; other nodes' files are never evicted by this
+node. TierFullError (with `.stored`) is raised only when the filesystem says ENOSPC or a batch
+exceeds the whole capacity; the failed block's temp file is removed, so nothing is torn, and
+reads keep working.
+
+Every read verifies the frame; a corrupt file (or a symlink in its place) is counted, moved to
+`root/.quarantine/` and reported as MISS. A file some other node removed is a plain miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import re
+import stat
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+from kvtier.store import block
+from kvtier.store.config import SharedFSTierConfig
+from kvtier.store.errors import ConfigError, CorruptBlockError, TierError
+from kvtier.store.index_record import PENDING, READY, Entry, owner_alive
+from kvtier.store.keys import key_bytes
+from kvtier.tiers import TierContext
+from kvtier.tiers import sharedfs_files as files
+from kvtier.tiers.aioloop import LoopThread
+from kvtier.tiers.base import MISS, Tier, full_error
+from kvtier.tiers.paths import prepare_tier_dir
+
+log = logging.getLogger(__name__)
+IO_THREADS = 16  # concurrent file operations per batch: enough to hide NFS round trips
+_AGE = struct.Struct(">Q")  # FIFO rows: b"A" + created ns + 24-byte key
+
+
+def _aiofiles():
+    try:
+        import aiofiles
+    except ImportError:
+        raise ConfigError("the sharedfs tier needs the `aiofiles` package: "
+                          "`pip install aiofiles`") from None
+    return aiofiles
+
+
+class SharedFSTier(Tier):
+    kind = "sharedfs"
+
+    def __init__(self, cfg: SharedFSTierConfig, ctx: TierContext):
+        super().__init__(cfg.name, cfg.capacity_bytes)
+        self._aiofiles = _aiofiles()
+        self.cfg, self.index = cfg, ctx.index
+        self.root = prepare_tier_dir(Path(cfg.path), cfg.name, self.kind)
+        self.node = re.sub(r"[^A-Za-z0-9_-]", "_", ctx.node_id)[:64] or "node"
+        self._dirs = files.DirCache(self.root)
+        self._loop = LoopThread(f"kvtier-{cfg.name}", IO_THREADS)
+        self._stop = threading.Event()
+        self._closed = False
+        self.index.recover()
+        self._sweep = self._loop.submit(self._sweep_async())
+
+    # ---- the contract ------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
+        return [_is_file(files.block_path(self.root, k)) for k in keys]
+
+    def put(self, keys: Sequence[str], frames: Sequence[memoryview]) -> list[bool]:
+        self._check_open()
+        headers = [_header_of(k, f) for k, f in zip(keys, frames)]
+        results = [False] * len(keys)
+        todo = self._to_write(keys, results)
+        need = sum(headers[i].frame_len for i in todo)
+        room = self._make_room(need) if todo else 0
+        fit, acc = [], 0
+        for i in todo:
+            if acc + headers[i].frame_len > room:
+                break
+            fit.append(i)
+            acc += headers[i].frame_len
+        enospc = self._write(keys, frames, headers, fit, results) if fit else False
+        if enospc or len(fit) < len(todo):
+            why = (f"the filesystem under {self.root} is full (ENOSPC)" if enospc else
+                   f"{need} bytes do not fit its capacity of {self.capacity_bytes}")
+            raise full_error(self.name, why, "free space there or raise the tier's capacity",
+                             [k for k, ok in zip(keys, results) if ok])
+        return results
+
+    def get(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int]:
+        self._check_open()
+        reads = self._loop.run(self._read_all(keys, outs))
+        results, gone = [MISS] * len(keys), []
+        for i, (key, (nread, st, err)) in enumerate(zip(keys, reads)):
+            if err is not None:
+                self._read_failed(key, st, err, gone)
+                continue
+            try:
+                h = block.verify(outs[i], key, length=nread)
+                if h.frame_len != st.st_size:
+                    raise CorruptBlockError(f"file holds {st.st_size} bytes, the frame "
+                                            f"{h.frame_len}")
+            except CorruptBlockError as e:
+                self._quarantine(key, st, str(e))
+                continue
+            results[i] = h.payload_len
+        self._forget_keys(gone)
+        hits = [r for r in results if r != MISS]
+        self.stats.add(hits=len(hits), misses=len(keys) - len(hits),
+                       bytes_out=sum(hits) + block.HEADER_SIZE * len(hits))
+        return results
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove the blocks' files (whichever node wrote them) and this node's entries."""
+        self._check_open()
+        self._forget(self.index.delete(self.name, keys))
+        removed = 0
+        for key in keys:
+            try:
+                os.unlink(files.block_path(self.root, key))
+                removed += 1
+            except FileNotFoundError:
+                continue
+        self.stats.add(deletes=removed)
+        return removed
+
+    def used_bytes(self) -> int:
+        return self.index.tier_usage(self.name)[1]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._loop.close()
+
+    # ---- maintenance -------------------------------------------------------------------
+
+    def rescan(self, prune: bool = True) -> tuple[int, int]:
+        """(files, bytes) under the root from every node; with `prune`, drop this node's
+        index entries whose files are gone (deleted or evicted by another node)."""
+        self._check_open()
+        total = files.scan(self.root)
+        if prune:
+            mine = [e.key for e in self.index.scan(self.name, states=(READY,))]
+            gone = [k for k in mine if not _is_file(files.block_path(self.root, k))]
+            self._forget_keys(gone)
+        return total
+
+    def sweep_temps(self) -> int:
+        """Delete temp files older than `stale_temp_after_s` (left by crashed writers)."""
+        return files.sweep_temps(self.root, self.cfg.stale_temp_after_s, self._stop)
+
+    async def _sweep_async(self) -> int:
+        loop = asyncio.get_running_loop()
+        n = await loop.run_in_executor(None, self.sweep_temps)
+        if n:
+            log.info("sharedfs tier %r: removed %d stale temp files", self.name, n)
+        return n
+
+    # ---- writes ------------------------------------------------------------------------
+
+    def _to_write(self, keys: Sequence[str], results: list[bool]) -> list[int]:
+        """Indexes of keys to write; marks keys whose file exists (or is being written) True."""
+        entries = self.index.get(self.name, keys, ready_only=False)
+        todo, seen, stale = [], set(), []
+        for i, (key, e) in enumerate(zip(keys, entries)):
+            if key in seen or _is_file(files.block_path(self.root, key)):
+                results[i] = True
+            elif e is not None and e.state == PENDING and owner_alive(e.owner_pid, e.created):
+                results[i] = True  # another process of this node is writing it right now
+            else:
+                if e is not None:
+                    stale.append(key)  # our entry, but another node removed the file
+                seen.add(key)
+                todo.append(i)
+        if stale:
+            self._forget(self.index.delete(self.name, stale))
+        return todo
+
+    def _write(self, keys, frames, headers, idx, results) -> bool:
+        """Reserve, write and commit `idx`; return True if the filesystem ran out of space."""
+        now = time.time()
+        entries = [Entry(keys[i], self.name, size=headers[i].frame_len,
+                         checksum=headers[i].checksum, created=now) for i in idx]
+        reserved = self.index.reserve(entries)
+        mine = [i for i, ok in zip(idx, reserved) if ok]
+        for i, ok in zip(idx, reserved):
+            results[i] = results[i] or not ok  # not ok: this node already holds it
+        errs = self._loop.run(self._write_all(
+            [(keys[i], frames[i], headers[i].frame_len) for i in mine]))
+        done = [keys[i] for i, err in zip(mine, errs) if err is None]
+        failed = [keys[i] for i, err in zip(mine, errs) if err is not None]
+        if failed:
+            self.index.abort(self.name, failed)
+        self.index.commit(self.name, done)
+        stored = set(done)
+        self._remember([e for e, ok in zip(entries, reserved) if ok and e.key in stored])
+        for i, err in zip(mine, errs):
+            results[i] = err is None
+        enospc = sum(1 for e in errs if e is not None and e.errno in (errno.ENOSPC, errno.EDQUOT))
+        other = [e for e in errs if e is not None and e.errno not in (errno.ENOSPC, errno.EDQUOT)]
+        self.stats.add(puts=len(done), errors=len(other),
+                       bytes_in=sum(headers[i].frame_len for i, e in zip(mine, errs) if e is None))
+        if other:
+            log.warning("sharedfs tier %r: %d writes failed (%s)", self.name, len(other),
+                        other[0])
+        return enospc > 0
+
+    async def _write_all(self, items) -> list[OSError | None]:
+        loop = asyncio.get_running_loop()
+        return await asyncio.gather(*(loop.run_in_executor(None, self._write_one, *it)
+                                      for it in items))
+
+    def _write_one(self, key: str, frame: memoryview, frame_len: int) -> OSError | None:
+        path = files.block_path(self.root, key)
+        try:
+            self._dirs.ensure(path.parent)
+            files.write_block(path, memoryview(frame)[:frame_len], self.cfg.file_mode,
+                              self.cfg.fsync, f"{self.node}.{os.getpid()}")
+        except OSError as e:
+            return e
+        return None
+
+    # ---- capacity ----------------------------------------------------------------------
+
+    def _make_room(self, need: int) -> int:
+        """Evict this node's oldest files until `need` more bytes fit; return the room left."""
+        used = self.used_bytes()
+        while used + need > self.capacity_bytes:
+            victims = self._pop_oldest(64)
+            if not victims:
+                break
+            entries = self.index.get(self.name, [k for _, k in victims])
+            old = [e.key for (ns, _), e in zip(victims, entries)
+                   if e is not None and int(e.created * 1e9) == ns]
+            for e in self.index.delete(self.name, old):
+                files.block_path(self.root, e.key).unlink(missing_ok=True)
+            used = self.used_bytes()
+        return self.capacity_bytes - used
+
+    def _fifo(self):
+        return self.index.table(f"sharedfs.{self.name}")  # outside any transaction: see regions
+
+    def _pop_oldest(self, n: int) -> list[tuple[int, str]]:
+        db = self._fifo()
+
+        def go(txn):
+            cur, out = txn.cursor(db=db), []
+            while len(out) < n and cur.set_range(b"A") and cur.key()[:1] == b"A":
+                k = cur.key()
+                out.append((_AGE.unpack(k[1:9])[0], k[9:].hex()))
+                cur.delete()
+            return out
+        return self.index.run_write(go)
+
+    def _remember(self, entries: Sequence[Entry]) -> None:
+        self._fifo_rows(entries, add=True)
+
+    def _forget(self, entries: Sequence[Entry]) -> None:
+        self._fifo_rows(entries, add=False)
+
+    def _fifo_rows(self, entries: Sequence[Entry], add: bool) -> None:
+        if not entries:
+            return
+        db = self._fifo()
+
+        def go(txn):
+            for e in entries:
+                k = b"A" + _AGE.pack(int(e.created * 1e9)) + key_bytes(e.key)
+                txn.put(k, b"", db=db) if add else txn.delete(k, db=db)
+        self.index.run_write(go)
+
+    def _forget_keys(self, keys: Sequence[str]) -> None:
+        if keys:
+            self._forget(self.index.delete(self.name, keys))
+
+    # ---- reads -------------------------------------------------------------------------
+
+    async def _read_all(self, keys, outs):
+        return await asyncio.gather(*(self._read_one(k, o) for k, o in zip(keys, outs)))
+
+    async def _read_one(self, key: str, out: memoryview):
+        """(bytes read, fstat of the file, OSError or None)."""
+        loop, st = asyncio.get_running_loop(), None
+        try:
+            async with self._aiofiles.open(files.block_path(self.root, key), "rb", buffering=0,
+                                           opener=files.nofollow_opener) as f:
+                st = await loop.run_in_executor(None, os.fstat, f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    return 0, st, _NotRegularFile(errno.EINVAL, "not a regular file")
+                view, done = memoryview(out)[:min(st.st_size, len(out))], 0
+                while done < len(view):
+                    n = await f.readinto(view[done:])
+                    if not n:
+                        break
+                    done += n
+                return done, st, None
+        except OSError as e:
+            return 0, st, e
+
+    def _read_failed(self, key: str, st, err: OSError, gone: list[str]) -> None:
+        if err.errno == errno.ENOENT:
+            gone.append(key)  # never written, or removed by another node: a plain miss
+        elif err.errno == errno.ELOOP or isinstance(err, _NotRegularFile):
+            self._quarantine(key, st, "a symlink or special file where a block belongs")
+        else:
+            self.stats.add(errors=1)
+            log.warning("sharedfs tier %r: read of %s failed (%s)", self.name, key, err)
+
+    def _quarantine(self, key: str, st, why: str) -> None:
+        moved = files.quarantine(self.root, files.block_path(self.root, key), key, self.node, st)
+        self._forget_keys([key])
+        self.stats.add(corrupt=1)
+        log.warning("sharedfs tier %r: block %s is corrupt (%s); %s", self.name, key, why,
+                    "moved to .quarantine" if moved else "already replaced or removed")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierError(f"sharedfs tier {self.name!r} is closed; open it again")
+
+
+class _NotRegularFile(OSError):
+    """A directory, fifo or device sits where a block file belongs."""
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _header_of(key: str, frame: memoryview) -> block.Header:
+    h = block.parse_header(frame)
+    if h.key != key:
+        raise ValueError(f"frame is sealed for {h.key}, not for {key}")
+    return h

@@ -1,0 +1,167 @@
+"""The file layer of the sharedfs tier: paths, atomic writes, quarantine, sweeps, scans.
+
+Layout under the tier root:
+- `ab/cd/<key>.kvb`: one sealed frame per file; `ab` and `cd` are the first four hex digits of
+  the key's chain hash (not of its namespace, which every block of a model shares), so blocks
+  spread over 65,536 directories.
+- `ab/cd/.<key>.kvb.<node>.<pid>.<random>.tmp`: a write in progress; renamed over the final
+  name when complete, so a reader sees the whole frame or no file. Two nodes writing the same
+  key each rename a complete file; the last rename wins and both files hold the same bytes.
+  Temps older than `stale_temp_after_s` were left by a crash and are swept.
+- `.quarantine/<key>.<node>.<ns>.kvb`: frames that failed verification, moved aside for a
+  human to look at (`kvtier inspect` or by hand); nothing reads them.
+
+Safety: directories are created 0700 and files `file_mode` (0600); every open uses O_NOFOLLOW
+and fan-out directories are checked with lstat on first use, so a symlink planted in the tree
+is refused, never followed. Keys are validated hex, so no name can escape the root.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+import threading
+import time
+from pathlib import Path
+
+from kvtier.store.errors import TierError
+from kvtier.store.keys import NS_HEX
+
+SUFFIX = ".kvb"
+TEMP_SUFFIX = ".tmp"
+QUARANTINE = ".quarantine"
+DIR_MODE = 0o700
+
+
+def block_path(root: Path, key: str) -> Path:
+    chain = key[NS_HEX:]
+    return root / chain[:2] / chain[2:4] / (key + SUFFIX)
+
+
+def nofollow_opener(path: str, flags: int) -> int:
+    """`open(..., opener=)` hook: never follow a symlink at the file itself."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+class DirCache:
+    """Fan-out directories known to exist as real directories in this process."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._known: set[Path] = set()
+        self._lock = threading.Lock()
+
+    def ensure(self, leaf: Path) -> None:
+        if leaf in self._known:
+            return
+        for d in (leaf.parent, leaf):
+            try:
+                os.mkdir(d, DIR_MODE)
+            except FileExistsError:
+                pass  # made by another process or node, or by us earlier
+            st = os.lstat(d)
+            if not stat.S_ISDIR(st.st_mode):
+                raise TierError(f"sharedfs: {d} is not a plain directory (a symlink?); remove "
+                                "it, kvtier never follows links in its tree")
+        with self._lock:
+            self._known.add(leaf)
+
+
+def write_block(path: Path, frame: memoryview, file_mode: int, fsync: bool, tag: str) -> None:
+    """Write `frame` to a temp file beside `path`, fsync it, rename it over `path`.
+
+    Raises OSError (ENOSPC included) with no temp file left behind.
+    """
+    tmp = path.with_name(f".{path.name}.{tag}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 file_mode)
+    try:
+        os.fchmod(fd, file_mode)  # exact mode whatever the umask says
+        view, done = memoryview(frame), 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def quarantine(root: Path, path: Path, key: str, node: str, seen: os.stat_result | None) -> bool:
+    """Move the file at `path` aside, unless it was replaced since we read it (then keep it).
+
+    Returns True if something was moved.
+    """
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if seen is not None and (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev):
+        return False  # a writer renamed a fresh copy over the bad one: leave that alone
+    qdir = root / QUARANTINE
+    qdir.mkdir(mode=DIR_MODE, exist_ok=True)
+    try:
+        os.rename(path, qdir / f"{key}.{node}.{time.time_ns()}{SUFFIX}")
+    except FileNotFoundError:
+        return False  # another node moved or deleted it first
+    return True
+
+
+def fanout_dirs(root: Path):
+    """Every leaf fan-out directory under `root` (skips dot entries and non-directories)."""
+    for top in _subdirs(root):
+        yield from _subdirs(top)
+
+
+def _subdirs(d: Path):
+    try:
+        with os.scandir(d) as it:
+            entries = [e for e in it if len(e.name) == 2 and not e.name.startswith(".")
+                       and e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return
+    for e in entries:
+        yield Path(e.path)
+
+
+def sweep_temps(root: Path, older_than_s: float, stop: threading.Event | None = None) -> int:
+    """Delete temp files older than `older_than_s` (crashed writers); return how many."""
+    cutoff, removed = time.time() - older_than_s, 0
+    for d in fanout_dirs(root):
+        if stop is not None and stop.is_set():
+            break
+        with os.scandir(d) as it:
+            temps = [e for e in it if e.name.startswith(".") and e.name.endswith(TEMP_SUFFIX)]
+        for e in temps:
+            try:
+                if e.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(e.path)
+                    removed += 1
+            except FileNotFoundError:
+                continue  # its writer renamed it, or another node swept it
+    return removed
+
+
+def scan(root: Path) -> tuple[int, int]:
+    """(files, bytes) of every block file under `root`, written by any node."""
+    files = nbytes = 0
+    for d in fanout_dirs(root):
+        with os.scandir(d) as it:
+            for e in it:
+                if e.name.startswith(".") or not e.name.endswith(SUFFIX):
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    files, nbytes = files + 1, nbytes + st.st_size
+    return files, nbytes
