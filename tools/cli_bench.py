@@ -45,3 +45,10 @@ def tiers(policy: Optional[Path] = typer.Option(None, "--policy", "-p",
         command = "kvtier " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         bench_report.write_json(json_out, command, bench_tiers.spec_dict(spec), rows, refs,
                                 targets, repeat)
+
+
+# The connector's benchmarks live in cli_bench_vllm (owned with the connector).
+from kvtier.tools import cli_bench_vllm  # noqa: E402
+
+app.command("vllm")(cli_bench_vllm.vllm)
+app.command("gather", context_settings=cli_bench_vllm.GATHER_SETTINGS)(cli_bench_vllm.gather)

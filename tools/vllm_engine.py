@@ -11,7 +11,9 @@
   `num_blocks` overrides the KV cache size (to force preemption); `dtype="float32"` keeps
   greedy outputs comparable across batch shapes (a random model's logits have near-ties
   that bf16 rounding flips: vLLM alone gives different tokens batched and unbatched).
-- `kvtier_transfer_config(policy)`: the `--kv-transfer-config` for the kvtier connector.
+- `kvtier_transfer_config(policy)`: the `--kv-transfer-config` for the kvtier connector;
+  `prompt_keys(prompt, policy)`: the keys the connector gives the prompt's chunks;
+  `random_prompt(seed, n)`: reproducible token ids.
 
 Replies are JSON lines on a pipe of their own (so a chatty engine can never fill it and
 block); everything the engine prints goes to `log_path`. This module imports neither vLLM
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -48,6 +51,32 @@ def make_tiny_model(path: str | os.PathLike[str], **overrides: Any) -> Path:
     model.save_pretrained(tmp)
     os.replace(tmp, path)
     return path
+
+
+def random_prompt(seed: int, n: int) -> list[int]:
+    """`n` token ids drawn from the tiny model's vocabulary, reproducibly."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, TINY_MODEL["vocab_size"]) for _ in range(n)]
+
+
+def prompt_keys(prompt: list[int], policy: dict, dtype: str = "bfloat16",
+                block_size: int = 32) -> list[str]:
+    """The kvtier keys of `prompt`'s full chunks, as KVTierConnector names them for the tiny
+    model served with `policy` (namespace.model set) at rank 0."""
+    from types import SimpleNamespace
+
+    from kvtier.connector.naming import KVShape, make_namespace
+    from kvtier.store.config import policy_from_dict
+    from kvtier.store.keys import block_keys
+    elem = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    head = TINY_MODEL["hidden_size"] // TINY_MODEL["num_attention_heads"]
+    shape = KVShape(TINY_MODEL["num_hidden_layers"], TINY_MODEL["num_key_value_heads"],
+                    block_size, 2 * head * elem, dtype)
+    config = SimpleNamespace(model_config=SimpleNamespace(model=policy["namespace"]["model"]),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1,
+                                                             pipeline_parallel_size=1))
+    ns = make_namespace(config, shape, policy_from_dict(policy))
+    return block_keys(ns, prompt, b"")
 
 
 def kvtier_transfer_config(policy: dict | str | None = None, **extra: Any) -> dict:

@@ -1,0 +1,145 @@
+"""Engine harness for the connector tests: the tiny model, engine processes, one kvtier cluster.
+
+- `Cluster`: a real `mooncake_master` on loopback (restartable on the same port, killable),
+  one shared directory (the sharedfs tier every instance sees) and one directory per node
+  (its index and nvme tier); `policy(node)` is that node's inline policy.
+- `Engines`: engine processes started on first use and kept for the whole test module
+  (startup is the slow part on two cores), closed at the end.
+- `chunk_keys(prompt)`: the kvtier keys of a prompt's chunks, computed as the connector does.
+
+Engines compute in float32: greedy tokens of a random model flip on bf16 rounding when only
+the batch shape changes (vLLM alone shows it), which would hide what the tests look for.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from kvtier.store.config import MasterConfig
+from kvtier.store.master import EmbeddedMaster, free_port
+from kvtier.tools.vllm_engine import (Engine, Output, kvtier_transfer_config, make_tiny_model,
+                                      prompt_keys, random_prompt)
+
+BLOCK = 32
+CHUNK = 64
+DTYPE = "float32"
+MODEL_NAME = "tiny-llama"
+
+__all__ = ["BLOCK", "CHUNK", "Cluster", "Engines", "Output", "chunk_keys", "make_tiny_model",
+           "random_prompt", "full_block_tokens", "kvtier_transfer_config"]
+
+
+def full_block_tokens(prompt: list[int]) -> int:
+    return len(prompt) // BLOCK * BLOCK
+
+
+class Cluster:
+    """A kvtier cluster on one machine: a master, a shared dir, a dir per node."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.shared = root / "shared"
+        self.master_cfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
+        self._restarts = 0
+        self.master: EmbeddedMaster | None = None
+        self.start_master()
+
+    @property
+    def address(self) -> str:
+        return self.master_cfg.address
+
+    def start_master(self) -> None:
+        log = self.root / f"master-{self._restarts}.log"
+        self._restarts += 1
+        self.master = EmbeddedMaster(self.master_cfg, log_path=log).start()
+
+    def kill_master(self) -> None:
+        self.master.kill()
+
+    def restart_master(self) -> None:
+        """Stop and start on the same port: every object of the DRAM pool is gone."""
+        self.master.stop()
+        self.start_master()
+
+    def policy(self, node: str, tiers: tuple[str, ...] = ("dram", "nvme", "shared"),
+               **over) -> dict:
+        node_dir = self.root / node
+        all_tiers = {
+            "dram": {"name": "dram", "kind": "mooncake", "capacity": "128MiB",
+                     "buffer": "32MiB", "staging": "32MiB"},
+            "nvme": {"name": "nvme", "kind": "nvme", "path": str(node_dir / "nvme"),
+                     "capacity": "256MiB", "region_size": "4MiB"},
+            "shared": {"name": "shared", "kind": "sharedfs", "path": str(self.shared),
+                       "capacity": "512MiB"},
+        }
+        data = {"namespace": {"model": MODEL_NAME}, "chunk_tokens": CHUNK,
+                "index": {"path": str(node_dir / "index"), "map_size": "64MiB"},
+                "master": {"address": self.address, "embedded": False},
+                "admission": {"kind": "always"},
+                "tiers": [all_tiers[t] for t in tiers]}
+        data.update(over)
+        return data
+
+    def transfer_config(self, node: str, **policy_over) -> dict:
+        return kvtier_transfer_config(self.policy(node, **policy_over), node_id=node)
+
+    def close(self) -> None:
+        if self.master is not None:
+            self.master.stop()
+
+
+class Engines:
+    """Named engine processes, started on first use, shared by a module's tests."""
+
+    def __init__(self, model: Path, logs: Path):
+        self.model, self.logs = model, logs
+        self._engines: dict[str, Engine] = {}
+        self._baseline_outputs: dict[tuple, Output] = {}
+
+    def get(self, name: str, kv_transfer_config: dict | None = None, **kw) -> Engine:
+        if name not in self._engines:
+            kw.setdefault("dtype", DTYPE)
+            self._engines[name] = Engine(self.model, self.logs / f"{name}.log",
+                                         kv_transfer_config=kv_transfer_config, **kw)
+        return self._engines[name]
+
+    def baseline(self, prompt: list[int], max_tokens: int) -> Output:
+        """The output of an engine without any connector (cached per prompt)."""
+        key = (tuple(prompt), max_tokens)
+        if key not in self._baseline_outputs:
+            outs, _ = self.get("baseline").generate([prompt], max_tokens)
+            self._baseline_outputs[key] = outs[0]
+        return self._baseline_outputs[key]
+
+    def close(self) -> None:
+        for engine in self._engines.values():
+            engine.close()
+        self._engines.clear()
+
+
+def chunk_keys(prompt: list[int], policy: dict) -> list[str]:
+    """The rank-0 keys of `prompt`'s full chunks under `policy`, as the connector names them."""
+    return prompt_keys(prompt, policy, DTYPE, BLOCK)
+
+
+def files_of(root: Path, keys: list[str]) -> list[Path]:
+    """The files under `root` whose names contain one of `keys` (sharedfs stores a file per
+    block, named by its key)."""
+    wanted = {k: None for k in keys}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            for key in wanted:
+                if key in name and not name.endswith(".tmp"):
+                    wanted[key] = Path(dirpath) / name
+    return [wanted[k] for k in keys if wanted[k] is not None]
+
+
+def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")

@@ -1,0 +1,187 @@
+"""The connector on real vLLM engines: separate processes, one kvtier cluster.
+
+Instances `a`, `b`, `d`, ... are engine processes with the kvtier connector, each its own
+node (own index and nvme dir) on one real `mooncake_master` and one shared dir; `baseline`
+runs without a connector. Engines live for the whole module and the tests run in file order
+(each builds on the blocks the earlier ones left), so the module costs a handful of engine
+starts, not one per assertion. Outputs are greedy and compared token for token.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
+    CHUNK, Cluster, Engines, chunk_keys, files_of, full_block_tokens, make_tiny_model,
+    random_prompt, wait_for)
+
+pytestmark = pytest.mark.vllm
+TOKENS = 16  # generated per request
+LONG = 3000  # prompt length: 46 full chunks, 93 full blocks
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model, tmp_path_factory):
+    pool = Engines(tiny_model, tmp_path_factory.mktemp("engine-logs"))
+    yield pool
+    pool.close()
+
+
+def node(engines: Engines, cluster: Cluster, name: str, **kw):
+    return engines.get(name, cluster.transfer_config(name), **kw)
+
+
+def served(engine, prompt, kv_params=None):
+    outs, _ = engine.generate([prompt], TOKENS, [kv_params] if kv_params else None)
+    return outs[0]
+
+
+def tier_hits(out) -> dict[str, int]:
+    return out.kv_transfer_params["kvtier"]["hit_tokens"]
+
+
+def wait_persisted(cluster: Cluster, prompt, policy_node="a", timeout_s=60):
+    """Until every chunk of `prompt` has a file in the shared tier (the mover wrote it)."""
+    keys = chunk_keys(prompt, cluster.policy(policy_node))[: (len(prompt) - 1) // CHUNK]
+    wait_for(lambda: len(files_of(cluster.shared, keys)) == len(keys), timeout_s,
+             "the mover to persist every chunk to sharedfs")
+    return keys
+
+
+def test_remote_hit_from_another_instance_is_token_identical(engines, cluster):
+    prompt = random_prompt(1, LONG)
+    a = node(engines, cluster, "a")
+    cold = served(a, prompt)
+    assert cold.num_cached_tokens == 0
+    assert cold.kv_transfer_params["kvtier"]["saved_chunks"] >= LONG // CHUNK
+    b = node(engines, cluster, "b")
+    hint = {"kvtier": {"session_id": "agent-1", "expected_gap_s": 5.0}}
+    hit = served(b, prompt, hint)
+    assert tier_hits(hit) == {"dram": hit.num_cached_tokens}  # all of it from the pool
+    assert hit.num_cached_tokens >= 0.9 * full_block_tokens(prompt)
+    assert hit.token_ids == cold.token_ids == engines.baseline(prompt, TOKENS).token_ids
+
+
+def test_partial_hit_and_a_load_that_starts_inside_the_local_hit(engines, cluster):
+    prompt = random_prompt(1, LONG)  # b holds it in its local prefix cache now
+    longer = prompt + random_prompt(11, 1000)
+    a, b = node(engines, cluster, "a"), node(engines, cluster, "b")
+    served(a, longer)  # a computes and saves the continuation
+    out = served(b, longer)
+    local = full_block_tokens(prompt)
+    loaded = tier_hits(out)["dram"]
+    # b's local hit ends inside a chunk: the load starts at that chunk without touching it
+    assert local % CHUNK and loaded == out.num_cached_tokens - local
+    assert out.num_cached_tokens >= 0.9 * full_block_tokens(longer)
+    assert out.token_ids == engines.baseline(longer, TOKENS).token_ids
+    prefix_only = served(node(engines, cluster, "e"), prompt[:2000] + random_prompt(12, 500))
+    assert tier_hits(prefix_only) == {"dram": 2000 // CHUNK * CHUNK}
+
+
+def test_after_the_pool_is_wiped_hits_come_from_disk(engines, cluster):
+    prompt = random_prompt(2, LONG)
+    served(node(engines, cluster, "a"), prompt)
+    wait_persisted(cluster, prompt)
+    cluster.restart_master()  # the DRAM pool is empty now
+    fresh = node(engines, cluster, "d")  # a new process on a new node: only sharedfs has it
+    out = served(fresh, prompt)
+    assert set(tier_hits(out)) == {"shared"}, tier_hits(out)
+    assert out.num_cached_tokens >= 0.9 * full_block_tokens(prompt)
+    assert out.token_ids == engines.baseline(prompt, TOKENS).token_ids
+    a = node(engines, cluster, "a")
+    a.reset_prefix_cache()
+    again = served(a, prompt)  # a's own node: nvme (or the pool, if d's hit was promoted)
+    assert set(tier_hits(again)) <= {"dram", "nvme", "shared"} and tier_hits(again)
+    assert again.num_cached_tokens >= 0.9 * full_block_tokens(prompt)
+    assert again.token_ids == out.token_ids
+
+
+def test_a_corrupt_block_on_disk_is_recomputed(engines, cluster):
+    prompt = random_prompt(3, LONG)
+    served(node(engines, cluster, "a"), prompt)
+    keys = wait_persisted(cluster, prompt)
+    cluster.restart_master()  # only the disk tiers hold it
+    bad = 10
+    path = files_of(cluster.shared, [keys[bad]])[0]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40  # one flipped bit in the payload
+    path.write_bytes(bytes(data))
+    e = node(engines, cluster, "e")
+    out = served(e, prompt)
+    assert out.token_ids == engines.baseline(prompt, TOKENS).token_ids
+    assert out.num_cached_tokens <= bad * CHUNK  # recomputed from the bad chunk on
+    e.reset_prefix_cache()
+    healed = served(e, prompt)  # the recomputed chunks were saved again
+    assert healed.num_cached_tokens >= 0.9 * full_block_tokens(prompt)
+    assert healed.token_ids == out.token_ids
+
+
+def test_master_killed_while_requests_run(engines, cluster):
+    a, b = node(engines, cluster, "a"), node(engines, cluster, "b")
+    hot = random_prompt(4, LONG)
+    served(a, hot)  # in the pool: b's load of it races the kill
+    prompts = [hot] + [random_prompt(40 + i, 2000) for i in range(3)]
+    expected = [engines.baseline(p, 64).token_ids for p in prompts]
+    killer = threading.Timer(0.3, cluster.kill_master)
+    killer.start()
+    outs, _ = b.generate(prompts, 64)
+    killer.join()
+    assert [o.token_ids for o in outs] == expected  # every request completed, identically
+    cluster.start_master()
+    attempt = iter(range(500, 600))
+
+    def pool_serves_again() -> bool:
+        fresh = random_prompt(next(attempt), 1500)  # new each time: a saves only new chunks
+        served(a, fresh)
+        out = served(b, fresh)
+        assert out.token_ids == engines.baseline(fresh, TOKENS).token_ids
+        return "dram" in tier_hits(out)
+    wait_for(pool_serves_again, 60, "hits from the restarted master's pool")
+
+
+def test_as_a_multiconnector_child(engines, cluster, tmp_path):
+    example_dir = tmp_path / "example-connector"
+    example_dir.mkdir()
+    kvtier = cluster.transfer_config("f")
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+             "kv_load_failure_policy": "recompute",
+             "kv_connector_extra_config": {"connectors": [
+                 kvtier, {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                          "kv_connector_extra_config": {
+                              "shared_storage_path": str(example_dir)}}]}}
+    f = engines.get("f", multi)
+    prompt = random_prompt(1, LONG)  # in kvtier since the first test
+    out = served(f, prompt)
+    assert out.num_cached_tokens >= 0.9 * full_block_tokens(prompt)
+    assert tier_hits(out) and out.token_ids == engines.baseline(prompt, TOKENS).token_ids
+    new = random_prompt(6, 1500)
+    first = served(f, new)
+    assert first.kv_transfer_params["kvtier"]["saved_chunks"] >= 1500 // CHUNK
+    assert any(example_dir.iterdir())  # the other child saved too
+    assert first.token_ids == engines.baseline(new, TOKENS).token_ids
+
+
+def test_preempted_requests_resume_from_kvtier(engines, cluster):
+    g = engines.get("g", cluster.transfer_config("g"), num_blocks=120, max_model_len=2048)
+    prompts = [random_prompt(70 + i, 600) for i in range(8)]
+    outs, _ = g.generate(prompts, 400)  # 8 x 1000 tokens in a 3840-token cache
+    resumed = [o for o in outs if tier_hits(o)]
+    assert resumed, "expected preemption: raise the load or shrink num_blocks"
+    assert [o.token_ids for o in outs] == \
+        [engines.baseline(p, 400).token_ids for p in prompts]
