@@ -130,6 +130,9 @@ class MooncakeTierConfig(BaseModel):
     staging_bytes: Size = Field(default=64 << 20, alias="staging", gt=0)
     soft_pin: bool = True
     replicas: int = Field(default=1, ge=1)
+    # Put into this process's own segment first (a local copy, no network); the master
+    # spills to other segments when it is full. False lets the master place every object.
+    prefer_local: bool = True
     retry_backoff_s: float = Field(default=0.05, ge=0)
     eviction: EvictionConfig | None = None
 

@@ -104,7 +104,7 @@ class MooncakeClient:
         # whole on registration so lock-free readers never see the two lists out of step.
         self._regs: tuple[list[int], list[tuple[int, int, Any]]] = ([], [])
         self._handle = _Handle(self._new_store())
-        self.segment = self._handle.store.get_hostname()
+        self.segment = self._handle.store.get_hostname()  # this client's segment name
         self.replicate = self._replicate_config()
 
     # ---- connecting ----------------------------------------------------------------------
@@ -156,6 +156,10 @@ class MooncakeClient:
             rc.with_soft_pin = self.cfg.soft_pin
         if hasattr(self.mc, "ObjectDataType") and hasattr(rc, "data_type"):
             rc.data_type = self.mc.ObjectDataType.KVCACHE
+        if self.cfg.prefer_local:
+            # Measured on loopback: 4.5-5.8 GB/s into the own segment (memcpy) against
+            # 1.4-1.8 GB/s into another client's segment (TCP).
+            rc.preferred_segment = self.segment
         return rc
 
     def _reconnect(self) -> None:
@@ -165,6 +169,7 @@ class MooncakeClient:
             new = _Handle(self._new_store())
             old, self._handle = self._handle, new
             self.segment = new.store.get_hostname()
+            self.replicate = self._replicate_config()  # the new segment is the local one
             self._down = False
         # close() takes ~2 s and must wait for the calls still running on the old client.
         threading.Thread(target=old.close_when_idle, name="kvtier-mooncake-close",
