@@ -3,6 +3,9 @@
 A `Row` is one (target, op, block size, batch) measurement: throughput in GB/s (1e9 bytes/s
 of payload) over all timed calls, and the P50/P99 latency of one call (one batch). References
 are rows too (raw Mooncake, fio). With `--repeat N` the rows of the runs are merged by median.
+`ratio` is a row's throughput over its reference's; for the mooncake tier, `vs +verify` is
+its throughput over raw Mooncake plus the frame verification every tier must do, i.e. what
+the tier's own code costs beyond the contract's checksum.
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ def link_references(rows: list[Row], refs: list[Row]) -> None:
     """Fill ref_gbps and ratio of each row from the reference row it names."""
     by_key = {(r.target, r.case): r for r in refs}
     for row in rows:
+        floor = by_key.get((f"{row.reference}+verify", row.case))
+        if floor is not None and floor.gbps > 0:
+            row.extra["vs_verify_floor"] = round(row.gbps / floor.gbps, 3)
         if row.reference is None:
             continue
         op = row.op if row.reference != "fio" else ("write" if row.op == "put" else "read")
@@ -120,7 +126,7 @@ def check_targets(rows: list[Row]) -> list[dict]:
 def render(rows: list[Row], refs: list[Row], targets: list[dict], console: Console) -> None:
     table = Table(title="kvtier bench tiers (GB/s = 1e9 payload bytes/s; latency per call)")
     for col in ("target", "op", "block", "batch", "GB/s", "P50 ms", "P99 ms", "reference",
-                "ref GB/s", "ratio"):
+                "ref GB/s", "ratio", "vs +verify"):
         table.add_column(col, justify="left" if col in ("target", "op", "reference") else "right")
     for row in sorted(rows + refs, key=_order):
         ratio = "" if row.ratio is None else f"{row.ratio:.2f}"
@@ -129,7 +135,7 @@ def render(rows: list[Row], refs: list[Row], targets: list[dict], console: Conso
         table.add_row(escape(row.target), row.op, size_label(row.block_bytes), str(row.batch),
                       f"{row.gbps:.2f}", f"{row.p50_ms:.2f}", f"{row.p99_ms:.2f}",
                       escape(row.reference or ""), "" if row.ref_gbps is None else f"{row.ref_gbps:.2f}",
-                      ratio)
+                      ratio, _fmt(row.extra.get("vs_verify_floor")))
     console.print(table)
     met = sum(t["met"] for t in targets)
     console.print(f"targets met: {met} of {len(targets)}")
@@ -137,6 +143,10 @@ def render(rows: list[Row], refs: list[Row], targets: list[dict], console: Conso
         if not t["met"]:
             console.print(f"  [red]missed[/]: {escape(t['target'])} at {size_label(t['block_bytes'])} "
                           f"x{t['batch']}: {t['value']:.2f}")
+
+
+def _fmt(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}"
 
 
 def size_label(n: int) -> str:

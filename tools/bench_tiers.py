@@ -24,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 
-from kvtier.store.block import HEADER_SIZE, alloc_aligned, frame_size, seal
+from kvtier.store.block import HEADER_SIZE, alloc_aligned, frame_size, seal, verify
 from kvtier.store.config import MasterConfig, Policy, load_policy, policy_from_dict
 from kvtier.store.index import Index
 from kvtier.store.keys import Namespace
@@ -120,14 +121,19 @@ class TierTarget:
 
 
 class RawTarget:
-    """Raw Mooncake batch calls on the same buffers (registered once)."""
+    """Raw Mooncake batch calls on the same buffers (registered once).
+
+    With `verify`, each frame read is also checked (`block.verify`) after the call: the floor
+    of any tier that obeys the contract, which shows what the tier's own code adds.
+    """
 
     kind = "reference"
     reference = None
     extra: dict = {}
 
-    def __init__(self, raw, work: Workload):
-        self.label, self.raw = "raw mooncake", raw
+    def __init__(self, raw, work: Workload, verify: bool = False):
+        self.label = "raw mooncake+verify" if verify else "raw mooncake"
+        self.raw, self.verify = raw, verify
         self.src, self.dst = raw.register(work.src), raw.register(work.dst)
 
     def round(self, keys, frames, outs) -> tuple[float, float]:
@@ -139,6 +145,9 @@ class RawTarget:
         self.raw.put(keys, src, sizes)
         t1 = time.perf_counter()
         self.raw.get(keys, dst, sizes)
+        if self.verify:
+            for key, out, size in zip(keys, outs, sizes):
+                verify(out[:size], key, size)
         t2 = time.perf_counter()
         self.raw.remove(keys)
         return t1 - t0, t2 - t1
@@ -151,8 +160,8 @@ def measure_group(targets: list, work: Workload, spec: BenchSpec, console: Conso
         for want in spec.batches:
             batch = spec.batch_of(block, want)
             iters = spec.iters(block * batch)
-            console.log(f"{', '.join(t.label for t in targets)}: {_size(block)} x{batch}, "
-                        f"{iters} rounds")
+            names = ", ".join(t.label for t in targets)
+            console.log(escape(f"{names}: {_size(block)} x{batch}, {iters} rounds"))
             keys, frames, outs = work.case(block, batch)
             times = {t.label: ([], []) for t in targets}
             for r in range(spec.warmup + iters):
@@ -180,6 +189,7 @@ def fio_rows(directory: Path, rows: list[Row], spec: BenchSpec, console: Console
              done: dict) -> list[Row]:
     """fio at every (block, queue depth) the file-tier rows compare with, once per filesystem."""
     out = []
+    directory.mkdir(parents=True, exist_ok=True)
     dev = os.stat(directory).st_dev
     for block, qd in sorted({(r.block_bytes, r.extra["ref_batch"]) for r in rows
                              if r.reference == "fio"}):
@@ -216,19 +226,22 @@ def _tier_targets(policy: Policy, ctx: TierContext, only: set[str] | None, work:
                 groups.append([TierTarget(f"{cfg.name}[zero-copy]", tier, "raw mooncake",
                                           zero_copy=True),
                                TierTarget(f"{cfg.name}[staging]", tier, "raw mooncake",
-                                          zero_copy=False), RawTarget(raw, work)])
+                                          zero_copy=False), RawTarget(raw, work),
+                               RawTarget(raw, work, verify=True)])
             elif cfg.kind == "nvme":
                 group = []
                 for engine in ("uring", "psync"):
                     c = cfg.model_copy(update={
                         "name": f"{cfg.name}-{engine}", "path": cfg.path / engine,
                         "io": cfg.io.model_copy(update={"engine": engine})})
+                    c.path.mkdir(parents=True, exist_ok=True)  # bench data of one engine
                     tier = open_tier(c, ctx)
                     opened.append(tier)
                     group.append(TierTarget(f"{cfg.name}[{engine}]", tier, "fio", engine=engine,
                                             queue_depth=cfg.io.queue_depth, path=str(c.path)))
                 groups.append(group)
             else:
+                cfg.path.mkdir(parents=True, exist_ok=True)
                 tier = open_tier(cfg, ctx)
                 opened.append(tier)
                 groups.append([TierTarget(cfg.name, tier, "fio", path=str(cfg.path))])

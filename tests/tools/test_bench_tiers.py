@@ -19,12 +19,13 @@ TINY = bench_tiers.BenchSpec(sizes=(256 * KiB,), batches=(1, 4), op_bytes=2 * Mi
 def test_mooncake_against_raw_in_one_run(tmp_path):
     rows, refs, targets = bench_tiers.run_bench(TINY, root=tmp_path, only={"mooncake"})
     assert {r.target for r in rows} == {"dram[zero-copy]", "dram[staging]"}
-    assert {r.target for r in refs} == {"raw mooncake"}
+    assert {r.target for r in refs} == {"raw mooncake", "raw mooncake+verify"}
     assert len(rows) == 2 * 2 * 2  # 2 variants x 2 batches x (put, get)
     for row in rows:
         assert row.gbps > 0 and 0 < row.p50_ms <= row.p99_ms
         assert row.reference == "raw mooncake" and row.ratio == pytest.approx(
             row.gbps / row.ref_gbps)
+        assert row.extra["vs_verify_floor"] > 0
     assert len(targets) == 4 and all(t["target"].startswith("dram[zero-copy]") for t in targets)
 
 
