@@ -9,7 +9,8 @@ Data path (batched Mooncake calls only):
 - `put`: `batch_put_from`, with replication and soft pin from the policy. Frames that lie in
   registered memory (`register`) go straight from the caller's buffer; others are copied into
   the staging buffer registered once at open. A put is atomic per key in Mooncake (an object
-  becomes visible at PutEnd, whole). An existing key counts as stored.
+  becomes visible at PutEnd, whole). A batch sends each key once; an existing key is stored
+  (Mooncake answers 0 without a transfer), and counted in `puts` only if new to this process.
 - `get`: `batch_get_into`, straight into registered out buffers, else into staging and one
   copy. Every frame is verified (`block.verify`); one that fails is counted in `corrupt`,
   removed from the pool and from the index, and reported as MISS.
@@ -93,38 +94,32 @@ class MooncakeTier(Tier):
         if not keys:
             return []
         views = [_byte_view(f) for f in frames]
-        sizes = []
-        for key, view in zip(keys, views):
-            header = parse_header(view)
-            if header.key != key:
-                raise ValueError(f"frame sealed for {header.key}, not {key}; seal it for its key")
-            if len(view) < header.frame_len:
-                raise ValueError(f"frame of {len(view)} bytes is shorter than its header says "
-                                 f"({header.frame_len}); pass the whole sealed frame")
-            sizes.append(header.frame_len)
-        done = [False] * len(keys)
-        todo, delay = list(range(len(keys))), self.cfg.retry_backoff_s
+        sizes = [_frame_len(k, v) for k, v in zip(keys, views)]
+        first: dict[str, int] = {}  # a batch sends each key once
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        done: dict[int, bool] = {}
+        todo, delay = list(first.values()), self.cfg.retry_backoff_s
         for attempt in range(FULL_RETRIES + 1):
             codes = self._transfer("put", [keys[i] for i in todo], [views[i] for i in todo],
                                    [sizes[i] for i in todo])
             full = []
             for i, code in zip(todo, codes):
-                if code in (OK, ALREADY_EXISTS):
-                    done[i] = True
-                elif code == NO_AVAILABLE_HANDLE:
+                done[i] = code in (OK, ALREADY_EXISTS)  # an existing key: no transfer, 0
+                if code == NO_AVAILABLE_HANDLE:
                     full.append(i)
-                else:
+                elif not done[i]:
                     self.stats.add(errors=1)
-            self._account(keys, sizes, done)
+            self._account([keys[i] for i in todo if done[i]], [sizes[i] for i in todo if done[i]])
             if not full:
-                return done
+                return [done[first[k]] for k in keys]
             todo = full
             if attempt < FULL_RETRIES:
                 time.sleep(delay)  # the master evicts at its high watermark, asynchronously
                 delay *= 2
-        stored = [k for k, ok in zip(keys, done) if ok]
+        stored = [k for k in first if done[first[k]]]
         raise full_error(self.name, f"the pool has nothing evictable: every object is leased "
-                         f"or pinned; {len(todo)} of {len(keys)} blocks not stored",
+                         f"or pinned; {len(todo)} of {len(first)} blocks not stored",
                          "lend the pool more memory (capacity) or demote blocks to a lower tier",
                          stored)
 
@@ -231,9 +226,6 @@ class MooncakeTier(Tier):
                     run_pipeline(*args)
             else:
                 run_pipeline(*args)
-        if op == "put":
-            self.stats.add(puts=sum(c == OK for c in codes),
-                           bytes_in=sum(n for n, c in zip(sizes, codes) if c == OK))
         return codes
 
     # ---- bookkeeping ---------------------------------------------------------------------
@@ -246,11 +238,16 @@ class MooncakeTier(Tier):
             self.ctx.index.delete(self.name, keys)
         self._forget(keys)
 
-    def _account(self, keys: Sequence[str], sizes: list[int], done: list[bool]) -> None:
+    def _account(self, keys: list[str], sizes: list[int]) -> None:
+        """Remember what this process stored; count a put only for a key new to it (Mooncake
+        answers 0 for a key it already holds, without a transfer, so the pool cannot tell)."""
+        new = nbytes = 0
         with self._mine_lock:
-            for key, size, ok in zip(keys, sizes, done):
-                if ok:
-                    self._mine[key] = size
+            for key, size in zip(keys, sizes):
+                if key not in self._mine:
+                    new, nbytes = new + 1, nbytes + size
+                self._mine[key] = size
+        self.stats.add(puts=new, bytes_in=nbytes)
 
     def _forget(self, keys: Sequence[str]) -> None:
         if keys and self._mine:
@@ -286,6 +283,17 @@ class MooncakeTier(Tier):
         value = int(float(m.group(1))) if m else 0
         self._metrics_cache = (time.monotonic(), value)
         return value
+
+
+def _frame_len(key: str, view: memoryview) -> int:
+    """The length of the sealed frame at the start of `view`; ValueError on a caller's bug."""
+    header = parse_header(view)
+    if header.key != key:
+        raise ValueError(f"frame sealed for {header.key}, not {key}; seal it for its key")
+    if len(view) < header.frame_len:
+        raise ValueError(f"frame of {len(view)} bytes is shorter than its header says "
+                         f"({header.frame_len}); pass the whole sealed frame")
+    return header.frame_len
 
 
 def _byte_view(buf) -> memoryview:

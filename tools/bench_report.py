@@ -1,7 +1,7 @@
 """Rows, ratios, targets, the rich table and the JSON of `kvtier bench tiers`.
 
 A `Row` is one (target, op, block size, batch) measurement: throughput in GB/s (1e9 bytes/s
-of payload) over all timed calls, and the P50/P99 latency of one call (one batch). References
+of payload) of the median call, and the P50/P99 latency of one call (one batch). References
 are rows too (raw Mooncake, fio). With `--repeat N` the rows of the runs are merged by median.
 `ratio` is a row's throughput over its reference's; for the mooncake tier, `vs +verify` is
 its throughput over raw Mooncake plus the frame verification every tier must do, i.e. what
@@ -51,13 +51,16 @@ class Row:
 
 def row_from_times(target: str, kind: str, op: str, block_bytes: int, batch: int,
                    times: list[float], **kw) -> Row:
-    """Throughput over all calls; latency percentiles of single calls."""
-    total = sum(times)
+    """Throughput of the median call (robust to calls slowed by other work on a shared
+    machine); latency percentiles of single calls; the mean-based figure goes in extra."""
     ordered = sorted(times)
+    p50 = statistics.median(ordered)
     p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
-    return Row(target, kind, op, block_bytes, batch, gbps=block_bytes * batch * len(times)
-               / total / 1e9, p50_ms=statistics.median(times) * 1e3, p99_ms=p99 * 1e3,
-               calls=len(times), **kw)
+    nbytes = block_bytes * batch
+    row = Row(target, kind, op, block_bytes, batch, gbps=nbytes / p50 / 1e9, p50_ms=p50 * 1e3,
+              p99_ms=p99 * 1e3, calls=len(times), **kw)
+    row.extra["mean_gbps"] = round(nbytes * len(times) / sum(times) / 1e9, 3)
+    return row
 
 
 def merge_runs(runs: list[list[Row]]) -> list[Row]:
@@ -124,7 +127,8 @@ def check_targets(rows: list[Row]) -> list[dict]:
 
 
 def render(rows: list[Row], refs: list[Row], targets: list[dict], console: Console) -> None:
-    table = Table(title="kvtier bench tiers (GB/s = 1e9 payload bytes/s; latency per call)")
+    table = Table(title="kvtier bench tiers (GB/s: 1e9 payload bytes/s of the median call; "
+                        "latency per call, fio: per I/O)")
     for col in ("target", "op", "block", "batch", "GB/s", "P50 ms", "P99 ms", "reference",
                 "ref GB/s", "ratio", "vs +verify"):
         table.add_column(col, justify="left" if col in ("target", "op", "reference") else "right")
