@@ -20,14 +20,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvtier.connector.layout import PagedKV
 from kvtier.connector.staging import FrameBuffer, StagingPool
-from kvtier.connector.stats import KVTierStats
 from kvtier.store import block
-from kvtier.store.tiered import SessionHint, TieredStore
+
+if TYPE_CHECKING:  # kept out at run time: this module runs where only torch is installed
+    from kvtier.connector.stats import KVTierStats
+    from kvtier.store.tiered import SessionHint, TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +49,35 @@ class SaveBatch:
     req_id: str
     keys: list[str]
     buf: FrameBuffer
-    hint: SessionHint | None
+    hint: "SessionHint | None"
     ready: object | None = None  # a CUDA event to wait for before reading `buf.host`
     t0: float = field(default_factory=time.perf_counter)
 
 
+def stage_save(paged: PagedKV, buf: FrameBuffer, block_ids: list[list[int]],
+               blocks_per_chunk: int) -> Any:
+    """Gather chunks (rows of `block_ids`) into `buf`'s frames, on the caller's stream.
+
+    On CUDA the gather and one bulk device-to-host copy are queued on the current stream and
+    the event returned completes when `buf.host` holds the bytes; on CPU it is done on return
+    (None). Either way the paged blocks may be reused by anything queued after this call.
+    """
+    n = len(block_ids)
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=paged.device)
+    paged.gather(ids, paged.payload_view(buf.device_view, n, buf.stride, block.HEADER_SIZE,
+                                         blocks_per_chunk))
+    if not buf.mirrored:
+        return None
+    buf.to_host(n)
+    ready = torch.cuda.Event()
+    ready.record()
+    return ready
+
+
 class IOThread:
-    def __init__(self, store: TieredStore, paged: PagedKV, load_pool: StagingPool,
+    def __init__(self, store: "TieredStore", paged: PagedKV, load_pool: StagingPool,
                  save_pool: StagingPool, blocks_per_chunk: int, payload_len: int,
-                 stats: KVTierStats, stats_lock: threading.Lock):
+                 stats: "KVTierStats", stats_lock: threading.Lock):
         self.store, self.paged = store, paged
         self.load_pool, self.save_pool = load_pool, save_pool
         self.m, self.payload_len = blocks_per_chunk, payload_len
@@ -151,13 +174,14 @@ class IOThread:
         self._finish_load(job, ok_rows=ok)
 
     def _scatter(self, buf: FrameBuffer, job: LoadBatch, rows: int) -> None:
-        ids = torch.tensor(job.block_ids[:rows], dtype=torch.int64, device=self.paged.device)
         view = self.paged.payload_view(buf.device_view, rows, buf.stride, block.HEADER_SIZE,
                                        self.m)
         if self.stream is None:
+            ids = torch.tensor(job.block_ids[:rows], dtype=torch.int64)
             self.paged.scatter(ids, view, job.skip_first)
             return
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream):  # everything below is ordered on the side stream
+            ids = torch.tensor(job.block_ids[:rows], dtype=torch.int64, device=self.paged.device)
             buf.to_device(rows)
             self.paged.scatter(ids, view, job.skip_first)
         self.stream.synchronize()

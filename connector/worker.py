@@ -20,7 +20,7 @@ import torch
 
 from kvtier.connector import storeref
 from kvtier.connector.config import ConnectorConfig
-from kvtier.connector.io_thread import IOThread, LoadBatch, SaveBatch
+from kvtier.connector.io_thread import IOThread, LoadBatch, SaveBatch, stage_save
 from kvtier.connector.layout import PagedKV
 from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob
 from kvtier.connector.naming import check_layout, kv_shape, make_namespace, rank_keys
@@ -103,20 +103,11 @@ class WorkerSide:
             SessionHint(job.session_id, job.expected_gap_s)
         step = self.save_pool.capacity
         for s in range(0, len(keys), step):
-            n = min(step, len(keys) - s)
             buf = self.save_pool.acquire()  # waits while all are in flight: backpressure
-            ids = torch.tensor(job.block_ids[s:s + n], dtype=torch.int64,
-                               device=self.paged.device)
-            view = self.paged.payload_view(buf.device_view, n, buf.stride,
-                                           block.HEADER_SIZE, self.m)
-            self.paged.gather(ids, view)
-            ready = None
-            if buf.mirrored:
-                buf.to_host(n)
-                ready = torch.cuda.Event()
-                ready.record()
+            ready = stage_save(self.paged, buf, job.block_ids[s:s + step], self.m)
+            if ready is not None:
                 self._gathers.setdefault(job.req_id, []).append(ready)
-            self.io.submit_save(SaveBatch(job.req_id, keys[s:s + n], buf, hint, ready))
+            self.io.submit_save(SaveBatch(job.req_id, keys[s:s + step], buf, hint, ready))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finished_seen |= finished_req_ids

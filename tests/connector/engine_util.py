@@ -128,7 +128,8 @@ def files_of(root: Path, keys: list[str]) -> list[Path]:
     """The files under `root` whose names contain one of `keys` (sharedfs stores a file per
     block, named by its key)."""
     wanted = {k: None for k in keys}
-    for dirpath, _, names in os.walk(root):
+    for dirpath, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # not .quarantine, not temps
         for name in names:
             for key in wanted:
                 if key in name and not name.endswith(".tmp"):
