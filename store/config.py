@@ -136,6 +136,12 @@ class MooncakeTierConfig(BaseModel):
     retry_backoff_s: float = Field(default=0.05, ge=0)
     eviction: EvictionConfig | None = None
 
+    @model_validator(mode="after")
+    def _segment_big_enough(self) -> "MooncakeTierConfig":
+        if self.capacity_bytes < 16 << 20:  # Mooncake refuses smaller segments (-600)
+            raise ValueError("capacity must be at least 16MiB (Mooncake's smallest segment)")
+        return self
+
 
 class IOConfig(BaseModel):
     model_config = _FROZEN
