@@ -1,0 +1,254 @@
+"""The background mover: persistence, demotion, promotion and prefetch between tiers.
+
+One thread per store. Work arrives on a bounded queue (`persist`, `promote`) and from a
+periodic tick (watermarks, due prefetches). Every copy is read from the source tier into the
+mover's own aligned arena (bounded by `mover.buffer`), written to the destination (whose put
+is two-phase in the index), and only then may the source copy be dropped: a crash at any
+point leaves each block in at least one tier. Lookups and loads never wait for the mover;
+`make_room` is the one synchronous step, run by `save` before writing to the first tier.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Sequence
+
+from kvtier.store import block
+from kvtier.store.errors import TierError
+from kvtier.tiers import MISS, Tier
+
+log = logging.getLogger(__name__)
+REAP_EVERY_S = 5.0
+NODE_LOCAL_KINDS = frozenset({"nvme"})
+
+
+class Mover:
+    """Moves blocks between the tiers of one `TieredStore`."""
+
+    def __init__(self, store, start: bool = True):
+        self.store = store
+        self.cfg = store.policy.mover
+        self._queue: collections.deque = collections.deque()
+        self._queued = 0
+        self._cv = threading.Condition()
+        self._stop = False
+        self._arena: memoryview | None = None
+        self._io_lock = threading.Lock()  # one batch in the arena at a time
+        self.stats = collections.Counter()
+        self._thread = None
+        self._last_reap = time.monotonic()
+        if start:
+            self._thread = threading.Thread(target=self._run, name="kvtier-mover", daemon=True)
+            self._thread.start()
+
+    # ---- requests (any thread) ----------------------------------------------------------
+
+    def persist(self, keys: Sequence[str], src: str, hint=None) -> None:
+        """Copy `keys` from `src` to the capacity tiers that admit them (in the background)."""
+        self._enqueue("persist", keys, src)
+
+    def promote(self, keys: Sequence[str], src: str) -> None:
+        """Copy `keys` from `src` up to the first tier (promotion on hit, prefetch)."""
+        if self.cfg.promote_on_hit:
+            self._enqueue("promote", keys, src)
+
+    def _enqueue(self, kind: str, keys: Sequence[str], src: str) -> None:
+        if not keys:
+            return
+        with self._cv:
+            if self._queued + len(keys) > self.cfg.queue_blocks:
+                # Bounded memory: a dropped persist leaves the block in the pool only.
+                self.stats[f"{kind}_dropped"] += len(keys)
+                return
+            self._queue.append((kind, list(keys), src))
+            self._queued += len(keys)
+            self._cv.notify()
+        if self._thread is None:
+            self.drain()
+
+    def pending(self) -> int:
+        """Blocks queued or being moved right now."""
+        with self._cv:
+            return self._queued
+
+    # ---- the thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if not self._queue and not self._stop:
+                    self._cv.wait(self.cfg.interval_s)
+                if self._stop and not self._queue:
+                    return
+            try:
+                self.drain()
+                self.tick()
+            except TierError as e:
+                self.stats["errors"] += 1
+                log.warning("mover: %s", e)
+
+    def drain(self) -> None:
+        """Run every queued job now (the thread's loop; tests call it directly)."""
+        while True:
+            with self._cv:
+                if not self._queue:
+                    return
+                kind, keys, src = self._queue.popleft()
+            try:
+                for i in range(0, len(keys), self.cfg.batch_blocks):
+                    batch = keys[i:i + self.cfg.batch_blocks]
+                    if kind == "persist":
+                        self._persist(batch, src)
+                    else:
+                        self._promote(batch, src)
+            finally:
+                with self._cv:
+                    self._queued -= len(keys)  # counted until done, so pending() is exact
+
+    def tick(self) -> None:
+        """Periodic work: watermarks, early demotions, due prefetches, reclaim."""
+        placement = self.store.placement
+        for tier in self.store.tiers:
+            self._enforce_watermark(tier)
+        for tier in self.store.tiers[:-1]:
+            self.demote(tier, placement.demotions(tier, self.cfg.buffer_bytes))
+        for src, keys in placement.prefetch_due(self.cfg.buffer_bytes).items():
+            self._enqueue("promote", keys, src)
+        now = time.monotonic()
+        if now - self._last_reap >= REAP_EVERY_S:
+            self._last_reap = now
+            self.reclaim(placement.reap())
+
+    def reclaim(self, keys: list[str]) -> int:
+        """Drop blocks no live session references from the node-local tiers.
+
+        Shared tiers (the pool, sharedfs) keep them: a session this node thinks ended may
+        be alive on another node; their policies evict them first under pressure instead.
+        """
+        removed = 0
+        for tier in self.store.tiers:
+            if keys and tier.kind in NODE_LOCAL_KINDS:
+                removed += tier.delete(keys)
+                self.store.placement.on_remove(tier, keys)
+        self.stats["reclaimed"] += removed
+        return removed
+
+    def stop(self) -> None:
+        """Finish queued work and stop the thread."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ---- moves --------------------------------------------------------------------------
+
+    def _persist(self, keys: list[str], src: str) -> None:
+        tiers = self.store.tiers
+        below = tiers[[t.name for t in tiers].index(src) + 1:]
+        plan = {}
+        for dst in below:
+            admitted = self.store.placement.admit(dst, keys)
+            plan[dst] = [k for k, ok in zip(keys, admitted) if ok]
+        self.fan_out(self.store.by_name[src], plan)
+
+    def _promote(self, keys: list[str], src: str) -> None:
+        first = self.store.tiers[0]
+        todo = [k for k, held in zip(keys, first.contains(keys)) if not held]
+        if todo:
+            self.make_room(first, sum(self.store.placement.frame_bytes(k) for k in todo))
+            self.copy(self.store.by_name[src], first, todo)
+
+    def copy(self, src: Tier, dst: Tier, keys: list[str]) -> list[str]:
+        """Copy `keys` from `src` to `dst` (skipping those `dst` holds); return those copied."""
+        return self.fan_out(src, {dst: keys}).get(dst.name, [])
+
+    def fan_out(self, src: Tier, plan: dict[Tier, list[str]]) -> dict[str, list[str]]:
+        """Read each block of `plan` from `src` once and write it to every tier that wants it
+        and does not hold it yet; return the keys copied, by destination tier name."""
+        plan = {dst: [k for k, held in zip(keys, dst.contains(keys)) if not held]
+                for dst, keys in plan.items() if keys}
+        wanted = list(dict.fromkeys(k for keys in plan.values() for k in keys))
+        if not wanted:
+            return {}
+        copied: dict[str, list[str]] = {}
+        with self._io_lock:
+            outs = self._frames([self.store.placement.frame_bytes(k) for k in wanted])
+            got = src.get(wanted, outs)
+            frames = {k: out[:block.HEADER_SIZE + n] for k, out, n in zip(wanted, outs, got)
+                      if n != MISS}
+            for dst, keys in plan.items():
+                ready = [k for k in keys if k in frames]
+                if ready:
+                    copied[dst.name] = self._put(src, dst, ready, [frames[k] for k in ready])
+        for dst in plan:
+            done = copied.get(dst.name, [])
+            self.store.placement.on_insert(dst, done, [len(frames[k]) for k in done], None)
+            self.stats[f"copied_{src.name}_{dst.name}"] += len(done)
+        return copied
+
+    def _put(self, src: Tier, dst: Tier, keys: list[str], frames: list[memoryview]
+             ) -> list[str]:
+        try:
+            ok = dst.put(keys, frames)
+        except TierError as e:
+            stored = set(getattr(e, "stored", ()))
+            ok = [k in stored for k in keys]
+            self.stats["copy_errors"] += 1
+            log.warning("mover copy %s -> %s: %s", src.name, dst.name, e)
+        return [k for k, good in zip(keys, ok) if good]
+
+    def _frames(self, sizes: list[int]) -> list[memoryview]:
+        """Slices of the arena, page-aligned, for one batch (within the buffer budget)."""
+        slots = [block.frame_size(s - block.HEADER_SIZE, block.PAGE) if s > block.HEADER_SIZE
+                 else block.PAGE for s in sizes]
+        total = sum(slots)
+        if self._arena is None or len(self._arena) < total:
+            if total > self.cfg.buffer_bytes and self._arena is not None:
+                raise TierError(f"a mover batch needs {total} bytes, mover.buffer is "
+                                f"{self.cfg.buffer_bytes}; raise mover.buffer")
+            self._arena = block.alloc_aligned(max(total, min(self.cfg.buffer_bytes, 64 << 20)))
+        out, off = [], 0
+        for slot in slots:
+            out.append(self._arena[off:off + slot])
+            off += slot
+        return out
+
+    # ---- room ---------------------------------------------------------------------------
+
+    def make_room(self, tier: Tier, incoming: int) -> None:
+        """Free space in `tier` so `incoming` bytes fit below its high watermark."""
+        limit = self.cfg.high_watermark * tier.capacity_bytes
+        used = tier.used_bytes()
+        if used + incoming > limit:
+            target = self.cfg.low_watermark * tier.capacity_bytes
+            self.evict(tier, int(used + incoming - target))
+
+    def _enforce_watermark(self, tier: Tier) -> None:
+        used = tier.used_bytes()
+        if used > self.cfg.high_watermark * tier.capacity_bytes:
+            self.evict(tier, int(used - self.cfg.low_watermark * tier.capacity_bytes))
+
+    def evict(self, tier: Tier, need_bytes: int) -> int:
+        """Demote the policy's victims from `tier` one tier down (if admitted), then drop them."""
+        return self.demote(tier, self.store.placement.victims(tier, need_bytes))
+
+    def demote(self, tier: Tier, victims: list[str]) -> int:
+        """Copy `victims` one tier down where admitted, then remove them from `tier`."""
+        if not victims:
+            return 0
+        tiers = self.store.tiers
+        pos = tiers.index(tier)
+        if pos + 1 < len(tiers):
+            below = tiers[pos + 1]
+            admitted = self.store.placement.admit(below, victims)
+            keep = [k for k, ok in zip(victims, admitted) if ok]
+            if keep:
+                self.copy(tier, below, keep)
+        removed = tier.delete(victims)
+        self.store.placement.on_remove(tier, victims)
+        self.stats[f"evicted_{tier.name}"] += removed
+        return removed

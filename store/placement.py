@@ -1,0 +1,192 @@
+"""Placement: the metadata side of `TieredStore` — sessions, per-tier policies, admission.
+
+It turns what the data path sees (lookups, hits, inserts, removals, request ends) into calls
+on the session tracker (`store.sessions`) and on each tier's eviction policy (`eviction/`),
+and answers the mover's questions: which blocks to evict from a tier, which to demote early,
+which to prefetch, what a capacity tier may absorb, how big a block's frame is.
+
+Policies are not thread-safe: every call goes through one lock. Blocks a lookup has just
+promised to the caller are pinned for `PIN_S` so no eviction takes them before the load.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Sequence
+
+from kvtier.eviction import PolicyContext, make_policy
+from kvtier.eviction.admission import make_admission
+from kvtier.store.config import Policy
+from kvtier.store.index_record import READY
+from kvtier.store.session_store import delete_sessions, write_sessions
+from kvtier.store.sessions import SessionTracker
+
+PIN_S = 30.0
+# Bytes per second from each kind of tier to the one above (DESIGN.md's measurements);
+# the agentic policy starts a prefetch this long before a session's predicted return.
+RESTORE_BPS = {"mooncake": 8e9, "nvme": 1.5e9, "sharedfs": 0.5e9}
+
+
+class Placement:
+    """Session tracking, eviction and admission for one store. Thread-safe."""
+
+    def __init__(self, policy: Policy, tiers, index, clock=time.time):
+        self.clock = clock
+        self.index = index
+        self._lock = threading.RLock()
+        self.sessions = SessionTracker()
+        self.tiers = list(tiers)
+        self.policies = {}
+        for i, (tier, cfg) in enumerate(zip(self.tiers, policy.tiers)):
+            ctx = PolicyContext(capacity_bytes=tier.capacity_bytes, tier=tier.name,
+                                sessions=self.sessions,
+                                restore_bytes_per_s=RESTORE_BPS.get(tier.kind, 1e9))
+            self.policies[tier.name] = make_policy(cfg.eviction or policy.eviction, ctx)
+        self.admission = make_admission(policy.admission, self.tiers, self.sessions, clock)
+        self._sizes: dict[str, int] = {}
+        self._max_frame = 0
+        self._pins: dict[str, float] = {}
+        self._open: dict[str, object] = {}  # last key of a request in flight -> its session
+        self._prefetching: set[str] = set()
+        self._load_index(index)
+
+    def _load_index(self, index) -> None:
+        """Rebuild the policies' view of the tiers the index tracks (after a restart)."""
+        names = {t.name for t in self.tiers}
+        for entry in index.scan(states=(READY,)):
+            if entry.tier in names:
+                self._track(entry.tier, entry.key, entry.size, entry.last_access)
+
+    def _track(self, tier: str, key: str, size: int, now: float) -> None:
+        self._sizes[key] = size
+        self._max_frame = max(self._max_frame, size)
+        self.policies[tier].on_insert(key, size, now, self.sessions.meta(key))
+
+    # ---- events from the data path ------------------------------------------------------
+
+    def on_lookup(self, keys: Sequence[str], hits: int, hint) -> None:
+        """A request arrived: attach it to its session, pin and touch its hit blocks."""
+        if not keys:
+            return
+        now = self.clock()
+        with self._lock:
+            if keys[-1] not in self._open:  # the scheduler may ask again for one request
+                sid = getattr(hint, "session_id", None)
+                gap = getattr(hint, "expected_gap_s", None)
+                turn = self.sessions.observe(keys, now, session=sid, expected_gap_s=gap)
+                self._open[keys[-1]] = turn.session
+            until = now + PIN_S
+            for key in keys[:hits]:
+                self._pins[key] = until
+                meta = self.sessions.meta(key)
+                for pol in self.policies.values():
+                    if key in pol:
+                        pol.on_access(key, now, meta)
+
+    def on_hit(self, tier, keys: Sequence[str]) -> None:
+        """Blocks were read from `tier`: touch them and release their pins."""
+        now = self.clock()
+        with self._lock:
+            pol = self.policies[tier.name]
+            for key in keys:
+                self._pins.pop(key, None)
+                pol.on_access(key, now, self.sessions.meta(key))
+
+    def on_insert(self, tier, keys: Sequence[str], sizes: Sequence[int], hint) -> None:
+        now = self.clock()
+        with self._lock:
+            for key, size in zip(keys, sizes):
+                self._track(tier.name, key, size, now)
+            self._prefetching.difference_update(keys)
+
+    def on_remove(self, tier, keys: Sequence[str]) -> None:
+        with self._lock:
+            pol = self.policies[tier.name]
+            for key in keys:
+                pol.on_remove(key)
+
+    def on_finish(self, keys: Sequence[str], hint) -> None:
+        """The request ended: the session's gap clock starts."""
+        if not keys:
+            return
+        with self._lock:
+            sid = getattr(hint, "session_id", None) or self._open.get(keys[-1])
+            self._open.pop(keys[-1], None)
+            if sid is None:
+                return
+            now = self.clock()
+            self.sessions.end_turn(sid, now, expected_gap_s=getattr(hint, "expected_gap_s", None))
+            row = self._session_row(sid, now)
+            chain = self.sessions.chain(sid)
+        if row is not None:
+            write_sessions(self.index, [(str(sid), row, chain)])
+
+    # ---- questions from the mover -------------------------------------------------------
+
+    def victims(self, tier, need_bytes: int) -> list[str]:
+        """What to remove from `tier` to free `need_bytes` (pinned blocks are skipped)."""
+        now = self.clock()
+        with self._lock:
+            self._pins = {k: t for k, t in self._pins.items() if t > now}
+            return list(self.policies[tier.name].select_victims(need_bytes, now,
+                                                                skip=self._pins))
+
+    def demotions(self, tier, max_bytes: int) -> list[str]:
+        with self._lock:
+            now = self.clock()
+            return [k for k in self.policies[tier.name].select_demotions(now, max_bytes)
+                    if self._pins.get(k, 0) <= now]
+
+    def prefetch_due(self, max_bytes: int = 256 << 20) -> dict[str, list[str]]:
+        """Blocks of the lower tiers that their policies want back in the first tier now."""
+        out: dict[str, list[str]] = {}
+        with self._lock:
+            now = self.clock()
+            for tier in self.tiers[1:]:
+                keys = [k for k in self.policies[tier.name].select_prefetch(now, max_bytes)
+                        if k not in self._prefetching]
+                if keys:
+                    out[tier.name] = keys
+                    self._prefetching.update(keys)
+        return out
+
+    def admit(self, tier, keys: Sequence[str]) -> list[bool]:
+        """May `tier` absorb these blocks (write budget and likelihood of reuse)?"""
+        with self._lock:
+            return self.admission.admit(tier, keys, [self.frame_bytes(k) for k in keys])
+
+    def reap(self) -> list[str]:
+        """End idle sessions (dropping their stored manifests); return the keys no live
+        session of this node references any more."""
+        with self._lock:
+            now = self.clock()
+            ended, keys = self.sessions.reap(now)
+            keys = [k for k in keys if self._pins.get(k, 0) <= now]
+        delete_sessions(self.index, [str(s) for s in ended])
+        return keys
+
+    def frame_bytes(self, key: str) -> int:
+        """The stored frame size of `key` (the largest seen when unknown)."""
+        return self._sizes.get(key) or self._max_frame or (4 << 20)
+
+    def _session_row(self, sid, now: float) -> dict | None:
+        """A live session as `inspect sessions` shows it (plain data)."""
+        info = self.sessions.info(sid, now)
+        if info is None:
+            return None
+        row = {k: v for k, v in info._asdict().items() if k != "session"}
+        row["predicted_next"] = None if math.isinf(info.predicted_next) else info.predicted_next
+        chain = self.sessions.chain(sid)
+        row["blocks_per_tier"] = {t.name: sum(1 for k in chain if k in self.policies[t.name])
+                                  for t in self.tiers}
+        row["updated"] = now
+        return row
+
+    def session_rows(self) -> dict[str, dict]:
+        """Every live session of this process, by id."""
+        now = self.clock()
+        with self._lock:
+            rows = {str(sid): self._session_row(sid, now) for sid in self.sessions.sessions()}
+        return {sid: row for sid, row in rows.items() if row is not None}

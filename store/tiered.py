@@ -1,0 +1,183 @@
+"""`TieredStore`: the policy's tiers composed fastest first, with sessions and policies.
+
+Primitives (batched; a miss is a value):
+- `lookup(keys, hint) -> LookupResult`: the longest prefix of `keys` held by any tier, and the
+  tier that holds each block, in one pass (one `contains` per tier: one master query, one
+  LMDB read transaction, one stat batch).
+- `load(keys, outs) -> list[int]`: each block from the fastest tier that holds it, verified;
+  payload length or `MISS`. A hit below the first tier may schedule a promotion.
+- `save(keys, frames, hint) -> list[bool]`: write-through to the first tier, deduplicated by
+  key; the mover then persists admitted blocks to the capacity tiers in the background.
+- `finish(keys, hint)`: a request ended (the end of a session's turn).
+
+Callers guarantee what the tier contract asks (well-formed keys, sealed frames, big enough
+out buffers). The store guarantees: a block is returned only after verification; every copy
+between tiers is written (two-phase in the index) before the copy it replaces is dropped,
+so a crash at any point leaves each block readable from at least one tier or cleanly gone;
+lookups never wait for the mover.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvtier.store.config import Policy
+from kvtier.store.errors import TierError
+from kvtier.store.index import Index
+from kvtier.store.master import EmbeddedMaster, ensure_master
+from kvtier.store.mover import Mover
+from kvtier.store.placement import Placement
+from kvtier.tiers import MISS, Tier, TierContext, open_tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SessionHint:
+    """What the serving engine knows about a request's session (overrides inference)."""
+
+    session_id: str | None = None
+    expected_gap_s: float | None = None
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """`hit_blocks`: length of the held prefix; `tiers[i]`: the fastest tier holding block i."""
+
+    hit_blocks: int
+    tiers: tuple[str, ...]
+
+
+class TieredStore:
+    """The node's view of the cluster cache. Thread-safe; one per process."""
+
+    def __init__(self, policy: Policy, *, node_id: str | None = None, mover: bool = True,
+                 start_master: bool = True, clock=time.time):
+        self.policy = policy
+        self.node_id = node_id or socket.gethostname()
+        self.clock = clock
+        self.index = Index(policy.index.path, policy.index.map_size_bytes,
+                           policy.index.max_map_size_bytes,
+                           identity=f"{policy.namespace.model or '*'}/{policy.namespace.tenant}")
+        self.master: EmbeddedMaster | None = None
+        if start_master and any(t.kind == "mooncake" for t in policy.tiers):
+            self.master = ensure_master(policy.master)
+        ctx = TierContext(self.index, self.node_id, policy.master)
+        self.tiers: list[Tier] = []
+        try:
+            for cfg in policy.tiers:
+                self.tiers.append(open_tier(cfg, ctx))
+        except BaseException:
+            self._close_tiers()
+            raise
+        self.by_name = {t.name: t for t in self.tiers}
+        self.placement = Placement(policy, self.tiers, self.index, clock)
+        self.mover = Mover(self, start=mover)
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # ---- the data path ------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[str], hint: SessionHint | None = None) -> LookupResult:
+        """The longest prefix of `keys` present in any tier; never blocks on the mover."""
+        found: list[str | None] = [None] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i in range(len(keys)) if found[i] is None]
+            if not todo:
+                break
+            try:
+                present = tier.contains([keys[i] for i in todo])
+            except TierError as e:
+                log.warning("lookup skips tier %s: %s", tier.name, e)
+                continue
+            for i, hit in zip(todo, present):
+                if hit:
+                    found[i] = tier.name
+        hits = next((i for i, t in enumerate(found) if t is None), len(keys))
+        self.placement.on_lookup(keys, hits, hint)
+        return LookupResult(hits, tuple(found[:hits]))  # type: ignore[arg-type]
+
+    def load(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int]:
+        """Read each block from the fastest tier that has it; payload length or MISS."""
+        result = [MISS] * len(keys)
+        todo = list(range(len(keys)))
+        for tier in self.tiers:
+            if not todo:
+                break
+            try:
+                got = tier.get([keys[i] for i in todo], [outs[i] for i in todo])
+            except TierError as e:
+                log.warning("load skips tier %s: %s", tier.name, e)
+                continue
+            hits = [i for i, n in zip(todo, got) if n != MISS]
+            for i, n in zip(todo, got):
+                if n != MISS:
+                    result[i] = n
+            if hits:
+                self.placement.on_hit(tier, [keys[i] for i in hits])
+                if tier is not self.tiers[0]:
+                    self.mover.promote([keys[i] for i in hits], tier.name)
+            todo = [i for i in todo if result[i] == MISS]
+        return result
+
+    def save(self, keys: Sequence[str], frames: Sequence[memoryview],
+             hint: SessionHint | None = None) -> list[bool]:
+        """Write-through to the first tier (deduplicated); the mover persists below it."""
+        first = self.tiers[0]
+        present = first.contains(keys)
+        new = [i for i, p in enumerate(present) if not p]
+        stored = list(present)
+        if new:
+            self.mover.make_room(first, sum(len(frames[i]) for i in new))
+            try:
+                ok = first.put([keys[i] for i in new], [frames[i] for i in new])
+            except TierError as e:
+                stored_keys = set(getattr(e, "stored", ()))
+                ok = [keys[i] in stored_keys for i in new]
+                log.warning("save to %s incomplete: %s", first.name, e)
+            for i, good in zip(new, ok):
+                stored[i] = good
+            put = [keys[i] for i, good in zip(new, ok) if good]
+            self.placement.on_insert(first, put, [len(frames[i]) for i, g in zip(new, ok) if g],
+                                     hint)
+        self.mover.persist([k for k, s in zip(keys, stored) if s], first.name, hint)
+        return stored
+
+    def finish(self, keys: Sequence[str], hint: SessionHint | None = None) -> None:
+        """A request over these keys ended: the session's turn is over."""
+        self.placement.on_finish(keys, hint)
+
+    # ---- housekeeping -------------------------------------------------------------------
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Capacity, used bytes and counters of every tier."""
+        return {t.name: {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes(),
+                         **t.counters()} for t in self.tiers}
+
+    def close(self) -> None:
+        """Stop the mover (draining queued persists), close tiers and index. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.mover.stop()
+        self._close_tiers()
+        self.index.close()
+
+    def _close_tiers(self) -> None:
+        for tier in reversed(self.tiers):
+            try:
+                tier.close()
+            except TierError as e:
+                log.warning("closing tier %s: %s", tier.name, e)
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
