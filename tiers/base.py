@@ -69,6 +69,23 @@ class TierCounters:
                     if not f.name.startswith("_")}
 
 
+@dataclass(frozen=True)
+class Problem:
+    """One inconsistency `check` found between the index, the tier's bytes and checksums.
+
+    kinds: `missing` (index entry, no bytes), `orphan` (bytes or files no entry explains),
+    `size` / `checksum` (entry and stored frame disagree), `corrupt` (frame fails
+    verification), `pending` (a dead writer's PENDING entry), `stale_temp` (a temp file left
+    by a dead writer).
+    """
+
+    kind: str
+    tier: str
+    key: str | None = None
+    path: str | None = None
+    detail: str = ""
+
+
 class Tier(ABC):
     """One storage tier. Subclasses hold one backend; see the module docstring."""
 
@@ -96,6 +113,18 @@ class Tier(ABC):
 
     def counters(self) -> dict[str, int]:
         return self.stats.snapshot()
+
+    def check(self, progress=None) -> list[Problem]:
+        """Compare the index with the tier's bytes and checksums; change nothing.
+
+        `progress(done, total)` is called now and then on long scans. Tiers whose contents
+        the node cannot enumerate (the pool) check what the index records of them.
+        """
+        return []
+
+    def repair(self, problems: Sequence[Problem]) -> int:
+        """Remove what `check` found untrustworthy (entries and bytes); return how many."""
+        return 0
 
     def close(self) -> None:
         """Release the backend; further calls are errors. Idempotent."""
