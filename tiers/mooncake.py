@@ -142,9 +142,21 @@ class MooncakeTier(Tier):
             elif code == TRANSFER_FAIL or code not in MISS_CODES:
                 self.stats.add(errors=1)  # -800: the client lending that segment is gone
 
-        self._transfer("get", keys, views, [len(v) for v in views], check)
+        # Each key once: Mooncake's batch_get_into fills only the last buffer of a key that
+        # appears twice in a batch, yet answers success for every occurrence.
+        first: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        uniq = list(first.values())
+        self._transfer("get", [keys[i] for i in uniq], [views[i] for i in uniq],
+                       [len(views[i]) for i in uniq], lambda j, c, f: check(uniq[j], c, f))
         if corrupt:
             self._quarantine(corrupt)
+        for i, key in enumerate(keys):
+            src, n = first[key], result[first[key]]
+            if src != i and n != MISS:
+                views[i][:HEADER_SIZE + n] = views[src][:HEADER_SIZE + n]
+                result[i] = n
         hits = [n for n in result if n != MISS]
         self.stats.add(hits=len(hits), misses=len(keys) - len(hits), corrupt=len(corrupt),
                        bytes_out=sum(hits) + HEADER_SIZE * len(hits))

@@ -299,3 +299,17 @@ def test_missing_mooncake_package_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake.store", None)
     with pytest.raises(TierError, match="pip install"):
         mooncake_client.import_mooncake()
+
+
+def test_a_key_twice_in_one_get_fills_both_buffers(pool):
+    # Mooncake's batch_get_into fills only the last buffer of a repeated key (and answers
+    # success for both): the tier reads each key once and copies.
+    keys, frames = frames_for(2, 8192)
+    pool.put(keys, frames)
+    order = [keys[0], keys[1], keys[0], keys[0]]
+    outs = [bytearray(HEADER_SIZE + 8192) for _ in order]
+    before = pool.counters()["corrupt"]
+    assert pool.get(order, outs) == [8192] * 4
+    assert [bytes(o) for o in outs] == [bytes(frames[k]) for k in (0, 1, 0, 0)]
+    assert pool.counters()["corrupt"] == before
+    pool.delete(keys)
