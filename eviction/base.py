@@ -68,6 +68,14 @@ class SessionView(Protocol):
         """Absolute time by which its next turn has arrived with probability `quantile`,
         given it has not arrived by `now`; `inf` when that probability is never reached."""
 
+    def snapshot(self, session: Hashable):
+        """The inputs of the prediction (`store.session_predict.Snapshot`: last turn end,
+        log-normal mu and sigma, P(another turn), active), or None when unknown."""
+
+    def hot_until(self, session: Hashable, quantile: float) -> float:
+        """Absolute time until which the session is hot (its turn end plus the `quantile` of
+        its gap distribution); inf while a turn is served, -inf if unknown."""
+
     def is_active(self, session: Hashable) -> bool:
         """True while a turn of the session is being served (arrived, not yet ended)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvtier.eviction.agentic import AgenticPolicy
 from kvtier.eviction.arc import ARCPolicy
 from kvtier.eviction.base import EvictionPolicy, PolicyContext
 from kvtier.eviction.belady import BeladyPolicy
@@ -15,12 +16,8 @@ _IMPLS: dict[str, type[EvictionPolicy]] = {
     "s3fifo": S3FIFOPolicy,
     "arc": ARCPolicy,
     "belady": BeladyPolicy,
+    "agentic": AgenticPolicy,
 }
-try:  # the agentic policy lands after the classic ones
-    from kvtier.eviction.agentic import AgenticPolicy
-    _IMPLS["agentic"] = AgenticPolicy
-except ImportError:  # pragma: no cover
-    pass
 
 EVICTION_POLICIES: dict[str, tuple[type, type[EvictionPolicy]]] = {
     kind: (EVICTION_KINDS[kind], impl) for kind, impl in _IMPLS.items()

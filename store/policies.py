@@ -6,9 +6,10 @@ Adding a policy means adding its config class here and its implementation there.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from kvtier.store.units import parse_rate
 
@@ -30,6 +31,7 @@ class S3FIFOConfig(BaseModel):
     kind: Literal["s3fifo"]
     small_ratio: float = Field(default=0.1, gt=0, lt=1)
     ghost_ratio: float = Field(default=0.9, gt=0, le=4)
+    promote_min_freq: int = Field(default=1, ge=0, le=3)  # touches in S that earn a place in M
 
 
 class ARCConfig(BaseModel):
@@ -47,14 +49,39 @@ class BeladyConfig(BaseModel):
 
 
 class AgenticConfig(BaseModel):
-    """Session-aware eviction: keep a live session hot until its next turn is unlikely."""
+    """Session-aware eviction: keep a live session hot until its next turn is unlikely.
+
+    `idle_quantile` (YAML also `idle_demote_after: p90_gap`): a session idle past this
+    quantile of its gap distribution is offered for demotion. `horizon_s` seeds the horizon
+    over which a session's return is weighed (then tracks the tier's turnover time).
+    `prefetch_quantile`: a demoted session is brought back once its next turn has come with
+    this probability, less the time to restore it. `prior_gap_s` seeds the session tracker's
+    gap prior.
+    """
 
     model_config = _FROZEN
     kind: Literal["agentic"]
-    idle_quantile: float = Field(default=0.9, gt=0, lt=1)
+    idle_quantile: float = Field(default=0.9, gt=0, lt=1, alias="idle_demote_after")
     prefetch: bool = True
+    prefetch_quantile: float = Field(default=0.2, gt=0, lt=1)
     shared_min_sessions: int = Field(default=2, ge=2)
     prior_gap_s: float = Field(default=5.0, gt=0)
+    horizon_s: float = Field(default=30.0, gt=0)
+    min_horizon_s: float = Field(default=1.0, gt=0)
+    horizon_ewma: float = Field(default=0.01, ge=0, le=1)
+    refresh_s: float = Field(default=5.0, gt=0)   # re-read every session's prediction
+    rank: Literal["density", "next_use", "horizon"] = "density"
+    density_min_s: float = Field(default=0.25, gt=0)
+    density_max_s: float = Field(default=3600.0, gt=0)
+    next_use_quantile: float = Field(default=0.5, gt=0, lt=1)
+
+    @field_validator("idle_quantile", mode="before")
+    @classmethod
+    def _gap_quantile(cls, v: object) -> object:
+        # `p90_gap` reads as the 0.9 quantile of the session's gap distribution
+        if isinstance(v, str) and re.fullmatch(r"p\d{1,2}(\.\d+)?_gap", v):
+            return float(v[1:-4]) / 100
+        return v
 
 
 EVICTION_KINDS: dict[str, type[BaseModel]] = {

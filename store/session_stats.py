@@ -4,8 +4,10 @@ Gaps are modelled as log-normal (agentic gaps are: median 5 s, P99 80 s, and a l
 human think time). Every gap is keyed by a *gap class*, what the caller knows when a turn
 ends (`"tool"` when the model stopped on a tool call, `"user"` when it waits for a person,
 `None` when unknown); each class keeps a global Welford estimate of (mean, variance) of log
-gaps, and each session its own, shrunk toward the global one with `prior_weight`
-pseudo-observations. A session may also never come back: the probability that it ends after
+gaps, and each session its own, shrunk toward the global one by empirical Bayes: the
+weight of the class estimate is (within-session variance) / (between-session variance of
+the true means), re-estimated at every `reap` (sessions that all behave alike are pooled
+completely; sessions that differ keep their own estimates). A session may also never come back: the probability that it ends after
 its n-th turn is learned per class and turn count from sessions seen to end or continue.
 
 Pure arithmetic on floats; no I/O, no clocks.
@@ -83,6 +85,12 @@ class GapModel:
         self.ends: dict[object, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.cont_total: dict[object, int] = defaultdict(int)
         self.ends_total: dict[object, int] = defaultdict(int)
+        # posterior count of dead sessions among the idle ones, and how many were idle
+        self.pool_weight: dict[object, float] = {}   # empirical-Bayes shrinkage per class
+        self.dead: dict = {}
+        self.idle: dict = {}
+        self.dead_total: dict[object, float] = {}
+        self.idle_total: dict[object, int] = {}
 
     def global_params(self, cls: object) -> tuple[float, float]:
         """(mu, sigma) of the class, shrunk toward the prior."""
@@ -96,7 +104,7 @@ class GapModel:
         mu, sigma = self.global_params(cls)
         if own is None or own.n == 0:
             return mu, sigma
-        return self._shrink(own, mu, sigma, self.prior.weight)
+        return self._shrink(own, mu, sigma, self.pool_weight.get(cls, self.prior.weight))
 
     @staticmethod
     def _shrink(s: LogStats, mu0: float, sigma0: float, w: float) -> tuple[float, float]:
@@ -117,13 +125,44 @@ class GapModel:
         self.ends[cls][_turn_bucket(turns)] += 1
         self.ends_total[cls] += 1
 
+    def set_heterogeneity(self, per_class: dict[object, list[LogStats]]) -> None:
+        """Re-estimate, per class, how many observations the class estimate is worth beside
+        a session's own: within-session variance over the between-session variance of the
+        true means (method of moments over sessions with at least two gaps)."""
+        for cls, stats in per_class.items():
+            stats = [st for st in stats if st.n >= 2]
+            if len(stats) < 8:
+                continue
+            within = sum(st.m2 for st in stats) / sum(st.n - 1 for st in stats)
+            means = [st.mean for st in stats]
+            mean = sum(means) / len(means)
+            spread = sum((m - mean) ** 2 for m in means) / (len(means) - 1)
+            noise = sum(within / st.n for st in stats) / len(stats)
+            between = max(spread - noise, 1e-9)
+            self.pool_weight[cls] = min(max(within / between, 0.5), 1e4)
+
+    def set_censored(self, dead: dict, idle: dict) -> None:
+        """The E step over idle sessions: per class and turn bucket, the summed posterior
+        probability of having ended, and the number of idle sessions."""
+        self.dead, self.idle = dead, idle
+        self.dead_total = {c: sum(d.values()) for c, d in dead.items()}
+        self.idle_total = {c: sum(d.values()) for c, d in idle.items()}
+
     def p_end(self, cls: object, turns: int) -> float:
-        """P(a session of this class ends after its `turns`-th turn), smoothed twice: the
-        turn-count bucket toward the class, the class toward the prior."""
+        """P(a session of this class ends after its `turns`-th turn): (seen ends + posterior
+        ends among idle sessions) / (ends + continuations + idle), smoothed twice: the turn
+        bucket toward the class, the class toward the prior."""
         w, p0 = self.prior.p_end_weight, self.prior.p_end
-        e_c, k_c = self.ends_total.get(cls, 0), self.cont_total.get(cls, 0)
-        p_cls = (e_c + w * p0) / (e_c + k_c + w)
+        e_c = self.ends_total.get(cls, 0) + self.dead_total.get(cls, 0.0)
+        n_c = e_c + self.cont_total.get(cls, 0) + self.idle_total.get(cls, 0) \
+            - self.dead_total.get(cls, 0.0)
+        p_cls = (e_c + w * p0) / (n_c + w)
         b = _turn_bucket(turns)
-        e = self.ends[cls].get(b, 0) if cls in self.ends else 0
-        k = self.cont[cls].get(b, 0) if cls in self.cont else 0
-        return (e + w * p_cls) / (e + k + w)
+        e = k = idle = dead = 0
+        if cls in self.ends:
+            e = self.ends[cls].get(b, 0)
+        if cls in self.cont:
+            k = self.cont[cls].get(b, 0)
+        if cls in self.dead:
+            dead, idle = self.dead[cls].get(b, 0.0), self.idle[cls].get(b, 0)
+        return (e + dead + w * p_cls) / (e + k + idle + w)

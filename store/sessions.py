@@ -10,8 +10,11 @@ Inference (hints override: a `session` id given by the connector is always used)
   whose chain held it);
 - if the request extends S's whole chain, it is S's next turn;
 - else if that key is shared by several sessions (a system prompt), a new session forks;
-- else if it keeps at least `rewrite_min_fraction` of S's chain, S rewrote its context
-  (compaction, edit, retry): S continues and the dropped suffix loses S's reference;
+- else if it drops at most `rewrite_max_dropped` keys of S's chain (a trailing partial
+  block), or S has had several turns and it keeps everything before S's last turn (a retry
+  or an edit of the last message), S rewrote its context: S continues and the dropped
+  suffix loses S's reference (a first turn that diverges is a new session: a retry of a
+  first request and a new session under the same system prompt look the same);
 - else a new session starts.
 
 Per session: turns, last arrival and turn end, its own log-normal gap estimate (shrunk toward
@@ -35,14 +38,14 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvtier.eviction.base import BlockMeta, NO_META
-from kvtier.store.session_stats import GapModel, GapPrior, LogStats, inv_survival, survival
+from kvtier.store.session_predict import SessionInfo, SessionPredictions
+from kvtier.store.session_stats import GapModel, GapPrior, LogStats, inv_survival
 
 
 @dataclass(frozen=True)
 class SessionConfig:
     prior: GapPrior = field(default_factory=GapPrior)
-    rewrite_min_fraction: float = 0.5
+    rewrite_max_dropped: int = 0   # >0 for traces that also hash a trailing partial block
     shared_min_sessions: int = 2
     end_after_quantile: float = 0.99
     end_after_factor: float = 4.0
@@ -59,22 +62,12 @@ class Turn(NamedTuple):
     dropped: int       # keys of the old chain this request no longer holds (rewrite)
 
 
-class SessionInfo(NamedTuple):
-    session: Hashable
-    turns: int
-    blocks: int
-    last_arrival: float
-    last_end: float | None
-    predicted_next: float   # conditional median of the next arrival (inf if none)
-    state: str              # active | hot | idle | ended
-
-
 class _Session:
-    __slots__ = ("sid", "chain", "turns", "last_arrival", "last_end", "active", "cls",
+    __slots__ = ("sid", "chain", "base", "turns", "last_arrival", "last_end", "active", "cls",
                  "stats", "hint_gap_s")
 
     def __init__(self, sid: Hashable, now: float):
-        self.sid, self.chain, self.turns = sid, [], 0
+        self.sid, self.chain, self.base, self.turns = sid, [], 0, 0
         self.last_arrival, self.last_end, self.active = now, None, False
         self.cls: object = None
         self.stats: dict[object, LogStats] = {}
@@ -94,7 +87,7 @@ def common_prefix(a: Sequence, b: Sequence) -> int:
     return lo
 
 
-class SessionTracker:
+class SessionTracker(SessionPredictions):
     """Infers sessions from key chains; predicts their next turns. See the module docstring."""
 
     def __init__(self, config: SessionConfig = SessionConfig()):
@@ -129,7 +122,8 @@ class SessionTracker:
             self._pos.setdefault(k, i)
         for k in keys:
             self._owner[k] = s.sid
-        s.chain, s.turns, s.last_arrival, s.active = keys, s.turns + 1, now, True
+        s.chain, s.base, s.turns = keys, common, s.turns + 1
+        s.last_arrival, s.active = now, True
         s.hint_gap_s = expected_gap_s
         self._sessions.move_to_end(s.sid)
         return Turn(s.sid, s.turns, new, common, len(dropped))
@@ -152,12 +146,16 @@ class SessionTracker:
             return s
         if self._refs[keys[lo - 1]] >= self.config.shared_min_sessions:
             return None
-        return s if common >= self.config.rewrite_min_fraction * len(s.chain) else None
+        if len(s.chain) - common <= self.config.rewrite_max_dropped:
+            return s
+        return s if s.turns >= 2 and common >= s.base else None
 
     def _count_gap(self, s: _Session, now: float) -> None:
-        since = s.last_end if s.last_end is not None else s.last_arrival
+        # A gap runs from the end of the previous turn (the wait for a tool or a person) when
+        # the caller reported it, else from the previous arrival.
+        since = s.last_end if s.last_end is not None and not s.active else s.last_arrival
         gap = now - since
-        if not s.active and gap > 0:
+        if gap > 0:
             stats = s.stats.get(s.cls)
             if stats is None:
                 stats = s.stats[s.cls] = LogStats()
@@ -197,6 +195,11 @@ class SessionTracker:
                 self._pos.pop(k, None)
                 self._reclaim.append(k)
 
+    def _params(self, s: _Session) -> tuple[float, float]:
+        if s.hint_gap_s is not None and s.hint_gap_s > 0:
+            return math.log(s.hint_gap_s), self.config.hint_sigma
+        return self.model.params(s.stats.get(s.cls), s.cls)
+
     # ---- ends -------------------------------------------------------------------------------
     def end_after_s(self, session: Hashable) -> float:
         """Idle time after which the session counts as ended."""
@@ -210,7 +213,7 @@ class SessionTracker:
         references any more, including those dropped by rewrites since the last call)."""
         ended = []
         for sid, s in self._sessions.items():  # least recently active first
-            idle = now - (s.last_end if s.last_end is not None else s.last_arrival)
+            idle = now - s.last_arrival
             if idle < self.config.end_min_s:
                 break
             # an active session that never ended its turn (a lost `end_turn`) gets longer
@@ -221,6 +224,7 @@ class SessionTracker:
             s = self._sessions[sid]
             self.model.observe_end(s.cls, s.turns)
             self.end_session(sid)
+        self._censor(now)
         keys, self._reclaim = self._reclaim, []
         return ended, keys
 
@@ -229,88 +233,3 @@ class SessionTracker:
             sid = next(iter(self._sessions))
             self.model.observe_end(self._sessions[sid].cls, self._sessions[sid].turns)
             self.end_session(sid)
-
-    # ---- predictions (the `SessionView` policies read) -------------------------------------
-    def _params(self, s: _Session) -> tuple[float, float]:
-        if s.hint_gap_s is not None and s.hint_gap_s > 0:
-            return math.log(s.hint_gap_s), self.config.hint_sigma
-        return self.model.params(s.stats.get(s.cls), s.cls)
-
-    def reuse_probability(self, session: Hashable, now: float, horizon_s: float) -> float:
-        """P(next turn in (now, now + horizon_s]), given none so far: the log-normal gap,
-        mixed with the learned chance that the session ended after this many turns."""
-        s = self._sessions.get(session)
-        if s is None:
-            return 0.0
-        if s.active:
-            return 1.0
-        mu, sigma = self._params(s)
-        idle = now - s.last_end if s.last_end is not None else now - s.last_arrival
-        alive = 1.0 - self.model.p_end(s.cls, s.turns)
-        s_now = survival(idle, mu, sigma)
-        s_then = survival(idle + horizon_s, mu, sigma)
-        den = alive * s_now + (1.0 - alive)
-        return alive * (s_now - s_then) / den if den > 0 else 0.0
-
-    def predicted_return(self, session: Hashable, now: float, quantile: float) -> float:
-        """Absolute time by which the next turn has come with probability `quantile`, given
-        it has not come by `now`; inf if it may never come with that probability."""
-        s = self._sessions.get(session)
-        if s is None:
-            return math.inf
-        if s.active:
-            return now
-        mu, sigma = self._params(s)
-        since = s.last_end if s.last_end is not None else s.last_arrival
-        alive = 1.0 - self.model.p_end(s.cls, s.turns)
-        s_now = survival(now - since, mu, sigma)
-        # P(return by t | none by now) = alive*(S(now)-S(t)) / (alive*S(now) + 1-alive)
-        target = s_now - quantile * (alive * s_now + 1.0 - alive) / max(alive, 1e-12)
-        if target <= 0:
-            return math.inf
-        return since + max(inv_survival(target, mu, sigma), now - since)
-
-    def is_active(self, session: Hashable) -> bool:
-        s = self._sessions.get(session)
-        return s is not None and s.active
-
-    # ---- metadata ---------------------------------------------------------------------------
-    def meta(self, key: Hashable) -> BlockMeta:
-        """What policies get for `key`: owning session, chain position, reference count."""
-        refs = self._refs.get(key)
-        if refs is None:
-            return NO_META
-        return BlockMeta(self._owner.get(key), self._pos[key], refs)
-
-    def refs(self, key: Hashable) -> int:
-        return self._refs.get(key, 0)
-
-    def chain(self, session: Hashable) -> list[Hashable]:
-        s = self._sessions.get(session)
-        return list(s.chain) if s is not None else []
-
-    def info(self, session: Hashable, now: float) -> SessionInfo | None:
-        s = self._sessions.get(session)
-        if s is None:
-            return None
-        nxt = self.predicted_return(session, now, 0.5)
-        if s.active:
-            state = "active"
-        else:
-            hot = self.predicted_return(session, now, 0.9)
-            state = "hot" if hot < math.inf and now < hot else "idle"
-        return SessionInfo(s.sid, s.turns, len(s.chain), s.last_arrival, s.last_end, nxt, state)
-
-    def sessions(self) -> list[Hashable]:
-        """Live session ids, least recently active first."""
-        return list(self._sessions)
-
-    def __len__(self) -> int:
-        return len(self._sessions)
-
-    def __contains__(self, session: object) -> bool:
-        return session in self._sessions
-
-    @property
-    def known_keys(self) -> int:
-        return len(self._refs)

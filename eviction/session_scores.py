@@ -1,0 +1,160 @@
+"""Session scores in arrays: the agentic policy ranks every session of a tier at once.
+
+`SessionSlots` keeps, per session with blocks in the tier, the inputs of the tracker's
+prediction (`Snapshot`: last turn end, log-normal gap, probability of another turn, active
+flag) in numpy arrays, and computes the same probability as
+`SessionTracker.reuse_probability` for all of them in one vectorized pass. Pure arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+
+import numpy as np
+
+_SQRT2 = math.sqrt(2.0)
+
+
+def _erfc(x: np.ndarray) -> np.ndarray:
+    """Vectorized erfc (Abramowitz-Stegun 7.1.26, |error| < 1.5e-7); numpy has none."""
+    z = np.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * z)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741
+                                                      + t * (-1.453152027 + t * 1.061405429))))
+    r = poly * np.exp(-z * z)
+    return np.where(x >= 0, r, 2.0 - r)
+
+
+def _survival(x: np.ndarray, mu: np.ndarray, sigma: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        z = (np.log(np.maximum(x, 1e-12)) - mu) / (sigma * _SQRT2)
+    return np.where(x > 0, 0.5 * _erfc(z), 1.0)
+
+
+_A = (-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
+      1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00)
+_B = (-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
+      6.680131188771972e+01, -1.328068155288572e+01)
+_C = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
+      -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00)
+_D = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
+      3.754408661907416e+00)
+
+
+def _ndtri(p: np.ndarray) -> np.ndarray:
+    """Vectorized inverse standard normal CDF (Acklam, relative error < 1.2e-9)."""
+    p = np.clip(p, 1e-300, 1 - 1e-16)
+    q = np.sqrt(-2 * np.log(np.minimum(p, 1 - p)))
+    tail = (((((_C[0] * q + _C[1]) * q + _C[2]) * q + _C[3]) * q + _C[4]) * q + _C[5]) / \
+        ((((_D[0] * q + _D[1]) * q + _D[2]) * q + _D[3]) * q + 1)
+    tail = np.where(p < 0.5, tail, -tail)
+    r = (p - 0.5) ** 2
+    mid = (((((_A[0] * r + _A[1]) * r + _A[2]) * r + _A[3]) * r + _A[4]) * r + _A[5]) * \
+        (p - 0.5) / (((((_B[0] * r + _B[1]) * r + _B[2]) * r + _B[3]) * r + _B[4]) * r + 1)
+    return np.where(np.abs(p - 0.5) <= 0.47575, mid, tail)
+
+
+def share_level(shared_by: int, shared_min: int) -> int:
+    """Blocks are grouped by how many sessions share them, in powers of two."""
+    if shared_by < shared_min:
+        return 1
+    return min(1 << (max(shared_by, 2) - 1).bit_length(), 1024)
+
+
+class SessionSlots:
+    """Prediction inputs per *unit* in arrays, so one selection scores every unit of the
+    tier at once. A unit is (session, share level): the blocks a session owns that `level`
+    sessions share. A shared block is lost to all its sessions, so a unit scores
+    1 - (1 - p)^level, p its owner's probability (sharers treated as alike and independent).
+    Refreshed from the tracker when the policy hears of the session."""
+
+    _FLOATS = ("since", "mu", "sigma", "alive", "level")
+
+    def __init__(self):
+        self.index: dict[tuple, int] = {}
+        self.units: list[tuple | None] = []
+        self.free: list[int] = []
+        for name in self._FLOATS:
+            setattr(self, name, np.ones(0))
+        self.used = np.zeros(0, dtype=bool)
+        self.active = np.zeros(0, dtype=bool)
+
+    def add(self, unit: tuple) -> int:
+        if not self.free:
+            n = len(self.units)
+            grow = max(16, n)
+            for name in self._FLOATS:
+                setattr(self, name, np.concatenate([getattr(self, name), np.ones(grow)]))
+            self.used = np.concatenate([self.used, np.zeros(grow, dtype=bool)])
+            self.active = np.concatenate([self.active, np.zeros(grow, dtype=bool)])
+            self.units += [None] * grow
+            self.free = list(range(n + grow - 1, n - 1, -1))
+        i = self.free.pop()
+        self.index[unit], self.units[i], self.used[i] = i, unit, True
+        self.level[i] = unit[1]
+        return i
+
+    def remove(self, unit: tuple) -> None:
+        i = self.index.pop(unit)
+        self.used[i], self.units[i] = False, None
+        self.free.append(i)
+
+    def refresh(self, i: int, snap) -> None:
+        if snap is None:  # the tracker forgot the session: it ended
+            self.since[i], self.mu[i], self.sigma[i], self.alive[i] = 0.0, 0.0, 1.0, 0.0
+            self.active[i] = False
+        else:
+            self.since[i], self.mu[i], self.sigma[i] = snap.since, snap.mu, snap.sigma
+            self.alive[i], self.active[i] = snap.alive, snap.active
+
+    def idle(self, now: float) -> np.ndarray:
+        """Seconds since each unit's gap clock started; 0 while its session is being served
+        (its next turn follows this one)."""
+        return np.where(self.active, 0.0, now - self.since)
+
+    def hit_density(self, now: float, grid_s: np.ndarray) -> np.ndarray:
+        """Least-hit-density index per unit (after LHD, Beckmann et al., NSDI'18): the best,
+        over holding limits T in `grid_s`, of P(read within T) / E[time held, at most T],
+        given no read since the last arrival. A session that cannot be back for a while, or
+        may never be back, scores low; shared units use survival^level. -inf when empty."""
+        idle = self.idle(now)[:, None]
+        mu, sigma = self.mu[:, None], self.sigma[:, None]
+        alive, level = self.alive[:, None], self.level[:, None]
+        pts = np.concatenate([[0.0], grid_s])[None, :]
+        surv = (alive * _survival(idle + pts, mu, sigma) + (1.0 - alive)) ** level
+        surv = surv / np.maximum(surv[:, :1], 1e-300)          # condition on "not yet"
+        p_read = 1.0 - surv[:, 1:]
+        held = np.cumsum((surv[:, 1:] + surv[:, :-1]) * 0.5 * np.diff(pts), axis=1)
+        dens = (p_read / np.maximum(held, 1e-12)).max(axis=1)
+        return np.where(self.used, dens, -np.inf)
+
+    def next_use(self, now: float, quantile: float) -> np.ndarray:
+        """Predicted next read per unit: the time by which it has come with probability
+        `quantile` given none so far (`SessionTracker.predicted_return`); a unit shared by
+        `level` sessions is read when the first of them returns, so its quantile is the
+        1 - (1 - quantile)^(1/level) quantile of one. inf for no return and empty slots."""
+        q = 1.0 - (1.0 - quantile) ** (1.0 / self.level)
+        since = now - self.idle(now)
+        s_now = _survival(now - since, self.mu, self.sigma)
+        alive = np.maximum(self.alive, 1e-12)
+        target = s_now - q * (alive * s_now + 1.0 - alive) / alive
+        ok = self.used & (target > 0)
+        z = _ndtri(1.0 - np.where(ok, target, 0.5))
+        with np.errstate(over="ignore"):
+            back = since + np.exp(self.mu + self.sigma * z)
+        return np.where(ok, np.maximum(back, now), np.inf)
+
+    def scores(self, now: float, horizon_s: float) -> np.ndarray:
+        """P(a unit's blocks are read within the horizon) (per session as
+        `SessionTracker.reuse_probability`); inf for empty slots. An active session gets no
+        favour: its blocks were read at its lookup (the store pins what is being loaded),
+        the next read is its next turn."""
+        idle = self.idle(now)
+        s_now = _survival(idle, self.mu, self.sigma)
+        s_then = _survival(idle + horizon_s, self.mu, self.sigma)
+        den = self.alive * s_now + (1.0 - self.alive)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            p = np.where(den > 0, self.alive * (s_now - s_then) / den, 0.0)
+        p = 1.0 - (1.0 - np.clip(p, 0.0, 1.0)) ** self.level
+        return np.where(self.used, p, np.inf)
