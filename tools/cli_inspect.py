@@ -1,80 +1,235 @@
-"""`kvtier inspect`: what a node's index holds, read offline (safe beside running writers)."""
+"""`kvtier inspect`: what a node holds, read offline or beside running instances.
+
+`inspect` (summary per tier), `inspect sessions`, `inspect blocks KEY...`,
+`inspect check [--fix]`, `inspect gc`; `--json` on all. Nothing here starts a master.
+"""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
-from kvtier.store.config import load_policy
+from kvtier.store.check import check_node, gc_node
+from kvtier.store.config import Policy, load_policy
 from kvtier.store.index import Index
 from kvtier.store.index_record import PENDING, READY
+from kvtier.store.keys import check_key
+from kvtier.store.session_store import read_sessions
 from kvtier.store.units import format_size
 
-app = typer.Typer(invoke_without_command=True,
-                  help="Inspect a node's index: tiers, sessions, health.")
+app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
+                  help="Inspect a node's index and tiers: summary, sessions, blocks, check, gc.")
+POLICY = typer.Option(None, "--policy", "-p", help="policy YAML (default: built in)")
+JSON = typer.Option(False, "--json", help="print JSON")
+
+
+def _policy(policy: Optional[Path], index: Optional[Path] = None) -> Policy:
+    pol = load_policy(policy)
+    if index is not None:
+        pol = pol.model_copy(update={"index": pol.index.model_copy(update={"path": index})})
+    return pol
 
 
 def open_index_readonly(policy: Optional[Path], index: Optional[Path]) -> Index:
-    """The index named by --index, else by the policy's index.path, opened read-only."""
-    path = index or load_policy(policy).index.path
-    return Index(path, readonly=True, recover=False)
+    return Index(_policy(policy, index).index.path, readonly=True, recover=False)
 
 
-def summarize(ix: Index) -> dict:
-    """Per-tier READY/PENDING blocks and bytes, sessions and index health, in one pass."""
+def summarize(ix: Index, pol: Policy | None = None) -> dict:
+    """Per-tier READY/PENDING blocks and bytes (with capacity), sessions, index health."""
     tiers: dict[str, dict[str, int]] = {}
+    if pol is not None:
+        for t in pol.tiers:
+            tiers[t.name] = {"kind": t.kind, "capacity_bytes": t.capacity_bytes}
     for e in ix.scan():
-        t = tiers.setdefault(e.tier, {"blocks": 0, "bytes": 0, "pending": 0})
+        t = tiers.setdefault(e.tier, {})
+        for k in ("blocks", "bytes", "pending"):
+            t.setdefault(k, 0)
         if e.state == READY:
             t["blocks"] += 1
             t["bytes"] += e.size
         elif e.state == PENDING:
             t["pending"] += 1
+    for t in tiers.values():
+        for k in ("blocks", "bytes", "pending"):
+            t.setdefault(k, 0)
     with ix.read() as txn:
         n_sessions = txn.stat(ix.db("sessions"))["entries"]
-        info = ix._env.info()
-        stat = ix._env.stat()
-        used = (info["last_pgno"] + 1) * stat["psize"]
-    consistent = all(ix.tier_usage(name) == (t["blocks"], t["bytes"]) for name, t in tiers.items())
-    return {
-        "index": str(ix.path),
-        "tiers": tiers,
-        "sessions": n_sessions,
-        "health": {"pending": ix.pending_count(), "map_size_bytes": ix.map_size_bytes,
-                   "map_used_bytes": used, "stats_consistent": consistent},
-    }
+    info, stat = ix._env.info(), ix._env.stat()
+    consistent = all(ix.tier_usage(name) == (t["blocks"], t["bytes"])
+                     for name, t in tiers.items())
+    return {"index": str(ix.path), "tiers": tiers, "sessions": n_sessions,
+            "health": {"pending": ix.pending_count(), "map_size_bytes": ix.map_size_bytes,
+                       "map_used_bytes": (info["last_pgno"] + 1) * stat["psize"],
+                       "stats_consistent": consistent}}
+
+
+def _emit(data, as_json: bool, render) -> None:
+    if as_json:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        render(Console(), data)
 
 
 @app.callback()
-def inspect(ctx: typer.Context,
-            policy: Optional[Path] = typer.Option(None, "--policy", "-p", help="policy YAML"),
+def inspect(ctx: typer.Context, policy: Optional[Path] = POLICY,
             index: Optional[Path] = typer.Option(None, "--index", help="index directory"),
-            as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
-    """Summary per tier (blocks, bytes, pending), sessions, and index health."""
+            as_json: bool = JSON) -> None:
+    """Summary per tier (capacity, blocks, bytes, pending), sessions, and index health."""
     if ctx.invoked_subcommand is not None:
-        ctx.obj = {"policy": policy, "index": index, "json": as_json}
         return
-    ix = open_index_readonly(policy, index)
+    pol = _policy(policy, index)
+    ix = Index(pol.index.path, readonly=True, recover=False)
     try:
-        data = summarize(ix)
+        data = summarize(ix, pol)
     finally:
         ix.close()
-    if as_json:
-        print(json.dumps(data, indent=2))
-        return
+    _emit(data, as_json, _render_summary)
+
+
+def _render_summary(console: Console, data: dict) -> None:
     table = Table(title=f"kvtier index {data['index']}")
-    for col in ("tier", "blocks", "bytes", "pending"):
-        table.add_column(col, justify="left" if col == "tier" else "right")
-    for name, t in sorted(data["tiers"].items()):
-        table.add_row(name, str(t["blocks"]), format_size(t["bytes"]), str(t["pending"]))
-    console = Console()
+    for col in ("tier", "kind", "capacity", "blocks", "bytes", "pending"):
+        table.add_column(col, justify="left" if col in ("tier", "kind") else "right")
+    for name, t in data["tiers"].items():
+        cap = t.get("capacity_bytes")
+        table.add_row(name, t.get("kind", "?"), format_size(cap) if cap else "-",
+                      str(t["blocks"]), format_size(t["bytes"]), str(t["pending"]))
     console.print(table)
     h = data["health"]
     console.print(f"sessions: {data['sessions']}   pending: {h['pending']}   map: "
-                  f"{format_size(h['map_used_bytes'])} of {format_size(h['map_size_bytes'])}   "
-                  f"stats consistent: {h['stats_consistent']}")
+                  f"{format_size(h['map_used_bytes'])} of {format_size(h['map_size_bytes'])}"
+                  f"   stats consistent: {h['stats_consistent']}")
+
+
+@app.command("sessions")
+def sessions(policy: Optional[Path] = POLICY, as_json: bool = JSON) -> None:
+    """Per session: turns, blocks per tier, last turn, predicted next turn, state."""
+    ix = open_index_readonly(policy, None)
+    try:
+        rows = [{"session": sid, **rec, "chain_blocks": len(chain)}
+                for sid, rec, chain in read_sessions(ix)]
+    finally:
+        ix.close()
+    _emit(rows, as_json, _render_sessions)
+
+
+def _ago(t) -> str:
+    return "-" if t is None else f"{time.time() - t:+.0f}s".replace("+", "") + " ago" \
+        if t <= time.time() else f"in {t - time.time():.0f}s"
+
+
+def _render_sessions(console: Console, rows: list) -> None:
+    table = Table(title=f"{len(rows)} sessions")
+    for col in ("session", "state", "turns", "blocks per tier", "last turn end", "next turn"):
+        table.add_column(col)
+    for r in rows:
+        per = " ".join(f"{k}:{v}" for k, v in r.get("blocks_per_tier", {}).items())
+        table.add_row(r["session"], r.get("state", "?"), str(r.get("turns", "?")), per,
+                      _ago(r.get("last_end")), _ago(r.get("predicted_next")))
+    console.print(table)
+
+
+@app.command("blocks")
+def blocks(keys: List[str] = typer.Argument(..., help="block keys (48 hex characters)"),
+           policy: Optional[Path] = POLICY, as_json: bool = JSON) -> None:
+    """Every copy of each KEY: tier, state, size, checksum, location, session, times."""
+    for key in keys:
+        try:
+            check_key(key)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+    ix = open_index_readonly(policy, None)
+    try:
+        names = ix.tier_names()
+        rows = []
+        for key in keys:
+            copies = [e for tid in names for e in ix.get(names[tid], [key], ready_only=False)
+                      if e is not None]
+            rows.append({"key": key, "copies": [
+                {"tier": e.tier, "state": e.state_name, "size": e.size,
+                 "checksum": f"{e.checksum:016x}", "location": [e.loc_a, e.loc_b],
+                 "session": e.session, "created": e.created, "last_access": e.last_access}
+                for e in copies]})
+    finally:
+        ix.close()
+    _emit(rows, as_json, _render_blocks)
+
+
+def _render_blocks(console: Console, rows: list) -> None:
+    for r in rows:
+        table = Table(title=r["key"])
+        for col in ("tier", "state", "size", "checksum", "location", "session", "last access"):
+            table.add_column(col)
+        for c in r["copies"]:
+            table.add_row(c["tier"], c["state"], format_size(c["size"]), c["checksum"],
+                          str(c["location"]), c["session"] or "-", _ago(c["last_access"]))
+        if not r["copies"]:
+            console.print(f"{r['key']}: not in this node's index")
+        else:
+            console.print(table)
+
+
+def _progress_bar():
+    progress = Progress(transient=True)
+    tasks: dict = {}
+
+    def update(done: int, total: int, label: str = "scanning") -> None:
+        if label not in tasks:
+            tasks[label] = progress.add_task(label, total=total)
+        progress.update(tasks[label], completed=done, total=total)
+
+    return progress, update
+
+
+@app.command("check")
+def check(policy: Optional[Path] = POLICY, fix: bool = typer.Option(
+        False, "--fix", help="remove what cannot be trusted, then check again"),
+        as_json: bool = JSON) -> None:
+    """Index vs tier contents vs checksums; exit code 1 if problems remain."""
+    progress, update = _progress_bar()
+    with progress:
+        report = check_node(load_policy(policy), fix=fix, progress=None if as_json else update)
+    _emit(report.to_dict(), as_json, _render_check)
+    if not report.clean:
+        raise typer.Exit(1)
+
+
+def _render_check(console: Console, data: dict) -> None:
+    for tier, why in data["skipped"].items():
+        console.print(f"[yellow]skipped {tier}[/yellow]: {why}")
+    if data["fixed"]:
+        console.print(f"fixed {data['fixed']} problems")
+    if data["clean"]:
+        console.print("[green]clean[/green]")
+        return
+    table = Table(title=f"{len(data['problems'])} problems")
+    for col in ("kind", "tier", "key", "path", "detail"):
+        table.add_column(col)
+    for p in data["problems"]:
+        table.add_row(p["kind"], p["tier"], p["key"] or "-", p["path"] or "-", p["detail"])
+    console.print(table)
+
+
+@app.command("gc")
+def gc(policy: Optional[Path] = POLICY,
+       min_age_s: float = typer.Option(3600.0, help="keep unreferenced blocks younger than this"),
+       shared: bool = typer.Option(False, help="also collect unreferenced blocks on sharedfs"),
+       dry_run: bool = typer.Option(False, "--dry-run", help="report only"),
+       as_json: bool = JSON) -> None:
+    """Remove orphans, stale temp files, dead PENDING entries and unreferenced blocks."""
+    progress, update = _progress_bar()
+    with progress:
+        result = gc_node(load_policy(policy), min_age_s, shared, dry_run,
+                         None if as_json else update)
+    _emit(result, as_json, lambda console, d: console.print(
+        ("would remove" if d["dry_run"] else "removed") +
+        f": {d['orphans']} orphans, {d['stale_temp']} stale temp files, {d['pending']} dead "
+        f"PENDING, {d['unreferenced']} unreferenced blocks "
+        f"({format_size(d['unreferenced_bytes'])})"))
