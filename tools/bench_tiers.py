@@ -221,6 +221,8 @@ def _tier_targets(policy: Policy, ctx: TierContext, only: set[str] | None, work:
                 from kvtier.tiers.mooncake_bench import RawMooncake
                 tier = open_tier(cfg, ctx)
                 opened.append(tier)
+                tier.register(work.src)  # zero-copy rounds use these; staging rounds ignore it
+                tier.register(work.dst)
                 raw = RawMooncake(cfg, ctx.master)
                 opened.append(raw)
                 groups.append([TierTarget(f"{cfg.name}[zero-copy]", tier, "raw mooncake",
