@@ -149,6 +149,26 @@ def render(rows: list[Row], refs: list[Row], targets: list[dict], console: Conso
                           f"x{t['batch']}: {t['value']:.2f}")
 
 
+def markdown(rows: list[Row], refs: list[Row], targets: list[dict]) -> str:
+    """The table and the targets as Markdown (for BENCHMARKS.md)."""
+    head = ["target", "op", "block", "batch", "GB/s", "P50 ms", "P99 ms", "reference",
+            "ref GB/s", "ratio", "vs +verify"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in sorted(rows + refs, key=_order):
+        cells = [row.target, row.op, size_label(row.block_bytes), str(row.batch),
+                 f"{row.gbps:.2f}", f"{row.p50_ms:.2f}", f"{row.p99_ms:.2f}",
+                 row.reference or "", _fmt(row.ref_gbps), _fmt(row.ratio),
+                 _fmt(row.extra.get("vs_verify_floor"))]
+        if row.ratio is not None and _judged(row):
+            cells[9] = f"**{cells[9]}**" if row.ratio >= TARGET_RATIO else f"{cells[9]} (missed)"
+        lines.append("| " + " | ".join(cells) + " |")
+    met = sum(t["met"] for t in targets)
+    lines += ["", f"Targets met: {met} of {len(targets)}."]
+    lines += [f"- missed: {t['target']} at {size_label(t['block_bytes'])} x{t['batch']}: "
+              f"{t['value']:.2f}" for t in targets if not t["met"]]
+    return "\n".join(lines) + "\n"
+
+
 def _fmt(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}"
 

@@ -17,26 +17,24 @@ holds more than `max_batch_bytes` (a 16 MiB x 64 batch is 1 GiB). The tiers are 
 from __future__ import annotations
 
 import os
+import random
 import tempfile
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
 from rich.console import Console
 from rich.markup import escape
 
-from kvtier.store.block import HEADER_SIZE, alloc_aligned, frame_size, seal, verify
+from kvtier.store.block import frame_size
 from kvtier.store.config import MasterConfig, Policy, load_policy, policy_from_dict
 from kvtier.store.index import Index
-from kvtier.store.keys import Namespace
 from kvtier.store.master import EmbeddedMaster, ensure_master, free_port
-from kvtier.tiers import MISS, TierContext, open_tier
+from kvtier.tiers import TierContext, open_tier
 from kvtier.tools import bench_fio, bench_report
+from kvtier.tools.bench_targets import SLOT_ALIGN, RawTarget, TierTarget, Workload
 from kvtier.tools.bench_report import Row, row_from_times
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-SLOT_ALIGN = 4096
 
 
 @dataclass(frozen=True)
@@ -77,85 +75,13 @@ def bench_policy(root: Path, spec: BenchSpec, master_address: str) -> Policy:
         ]}, source="<bench policy>")
 
 
-class Workload:
-    """One pair of page-aligned buffers: sealed frames out of `src`, reads into `dst`."""
-
-    def __init__(self, max_bytes: int):
-        self.src = alloc_aligned(max_bytes)
-        self.dst = alloc_aligned(max_bytes)
-        rng = np.random.default_rng(0)
-        np.frombuffer(self.src, np.uint8)[:] = rng.integers(0, 256, len(self.src), np.uint8)
-        self.ns = Namespace(model="kvtier-bench").fingerprint()
-
-    def case(self, block: int, batch: int) -> tuple[list[str], list[memoryview], list[memoryview]]:
-        slot = frame_size(block, SLOT_ALIGN)
-        keys = [self.ns + os.urandom(16).hex() for _ in range(batch)]
-        frames = [self.src[i * slot:i * slot + HEADER_SIZE + block] for i in range(batch)]
-        for key, frame in zip(keys, frames):
-            seal(frame, key, block)
-        outs = [self.dst[i * slot:(i + 1) * slot] for i in range(batch)]
-        return keys, frames, outs
-
-
-class TierTarget:
-    """A tier under test: one timed put and get per round, then an untimed delete."""
-
-    def __init__(self, label: str, tier, reference: str | None, **extra):
-        self.label, self.tier, self.reference, self.extra = label, tier, reference, extra
-        self.kind = tier.kind
-
-    def round(self, keys, frames, outs) -> tuple[float, float]:
-        if "zero_copy" in self.extra:
-            self.tier.zero_copy = self.extra["zero_copy"]
-        t0 = time.perf_counter()
-        stored = self.tier.put(keys, frames)
-        t1 = time.perf_counter()
-        got = self.tier.get(keys, outs)
-        t2 = time.perf_counter()
-        self.tier.delete(keys)
-        if not all(stored) or MISS in got:
-            raise RuntimeError(f"{self.label}: {stored.count(False)} puts failed and "
-                               f"{got.count(MISS)} gets missed in a bench round; see its counters "
-                               f"{self.tier.counters()}")
-        return t1 - t0, t2 - t1
-
-
-class RawTarget:
-    """Raw Mooncake batch calls on the same buffers (registered once).
-
-    With `verify`, each frame read is also checked (`block.verify`) after the call: the floor
-    of any tier that obeys the contract, which shows what the tier's own code adds.
-    """
-
-    kind = "reference"
-    reference = None
-    extra: dict = {}
-
-    def __init__(self, raw, work: Workload, verify: bool = False):
-        self.label = "raw mooncake+verify" if verify else "raw mooncake"
-        self.raw, self.verify = raw, verify
-        self.src, self.dst = raw.register(work.src), raw.register(work.dst)
-
-    def round(self, keys, frames, outs) -> tuple[float, float]:
-        slot = len(outs[0])
-        sizes = [len(f) for f in frames]
-        src = [self.src + i * slot for i in range(len(keys))]
-        dst = [self.dst + i * slot for i in range(len(keys))]
-        t0 = time.perf_counter()
-        self.raw.put(keys, src, sizes)
-        t1 = time.perf_counter()
-        self.raw.get(keys, dst, sizes)
-        if self.verify:
-            for key, out, size in zip(keys, outs, sizes):
-                verify(out[:size], key, size)
-        t2 = time.perf_counter()
-        self.raw.remove(keys)
-        return t1 - t0, t2 - t1
-
-
 def measure_group(targets: list, work: Workload, spec: BenchSpec, console: Console) -> list[Row]:
     """All cases for targets measured side by side, interleaved round by round."""
     rows = []
+    big = max(spec.sizes)
+    for t in targets:
+        t.prefault(work, big, min(spec.batch_of(big, max(spec.batches)), max(1, 64 * MiB // big)))
+    order = random.Random(0)
     for block in spec.sizes:
         for want in spec.batches:
             batch = spec.batch_of(block, want)
@@ -165,7 +91,7 @@ def measure_group(targets: list, work: Workload, spec: BenchSpec, console: Conso
             keys, frames, outs = work.case(block, batch)
             times = {t.label: ([], []) for t in targets}
             for r in range(spec.warmup + iters):
-                for t in targets:
+                for t in order.sample(targets, len(targets)):  # no target always goes first
                     put_s, get_s = t.round(keys, frames, outs)
                     if r >= spec.warmup:
                         times[t.label][0].append(put_s)

@@ -23,6 +23,8 @@ def tiers(policy: Optional[Path] = typer.Option(None, "--policy", "-p",
           dir: Optional[Path] = typer.Option(None, "--dir", help="where the default tiers "
                                              "live (default: a temp dir)"),
           json_out: Optional[Path] = typer.Option(None, "--json", help="write the numbers here"),
+          markdown: Optional[Path] = typer.Option(None, "--markdown",
+                                                  help="write the table as Markdown here"),
           quick: bool = typer.Option(False, "--quick", help="small batches, fewer rounds"),
           only: Optional[str] = typer.Option(None, "--tiers", help="comma-separated tier "
                                              "names or kinds to measure"),
@@ -40,7 +42,9 @@ def tiers(policy: Optional[Path] = typer.Option(None, "--policy", "-p",
         [int(b) for b in batches.split(",")] if batches else None, fio)
     names = set(only.split(",")) if only else None
     rows, refs, targets = bench_tiers.run_bench(spec, policy, dir, names, repeat)
-    bench_report.render(rows, refs, targets, Console(width=max(120, Console().width)))
+    bench_report.render(rows, refs, targets, Console(width=max(150, Console().width)))
+    if markdown is not None:
+        markdown.write_text(bench_report.markdown(rows, refs, targets))
     if json_out is not None:
         command = "kvtier " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         bench_report.write_json(json_out, command, bench_tiers.spec_dict(spec), rows, refs,

@@ -37,12 +37,15 @@ def test_cli_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(app, ["bench", "tiers", "--quick", "--tiers", "dram",
                                       "--sizes", "256KiB", "--batches", "2", "--no-fio",
-                                      "--dir", str(tmp_path / "b"), "--json", str(out)])
+                                      "--dir", str(tmp_path / "b"), "--json", str(out),
+                                      "--markdown", str(tmp_path / "bench.md")])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
     assert doc["machine"]["cores"] >= 1 and doc["spec"]["sizes"] == [256 * KiB]
     assert {r["target"] for r in doc["results"]} == {"dram[zero-copy]", "dram[staging]"}
     assert "ratio" in result.output and "raw mooncake" in result.output
+    md = (tmp_path / "bench.md").read_text()
+    assert md.startswith("| target |") and "| dram[zero-copy] | get | 256KiB | 2 |" in md
 
 
 def test_parse_fio_json():
