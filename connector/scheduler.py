@@ -8,9 +8,10 @@
 - `build_connector_meta`: tracks every scheduled request's block ids, and emits a `SaveJob`
   for each chunk whose KV is complete after this step and not known to be in kvtier
   (chunks loaded from kvtier or covered by a local hit are not saved again).
-- `request_finished`: saves the last complete chunks, and keeps the request's blocks
-  (returns True) while any save may still read them; the worker releases them through
-  `finished_sending`. Session hints from `kv_transfer_params` ride along to the store.
+- `request_finished`: saves the last complete chunks if any are left (their token ids only
+  became known now), keeping the request's blocks (returns True) until the worker has
+  gathered them and reports `finished_sending`. Session hints from `kv_transfer_params`
+  ride along to the store.
 
 A preempted request is looked up again when it resumes, so what it saved comes back from
 kvtier instead of being recomputed.
@@ -63,7 +64,6 @@ class _Req:
     sources: dict[CacheHitSource, int] = field(default_factory=dict)
     tier_tokens: dict[str, int] = field(default_factory=dict)
     saved_chunks: int = 0
-    saving: bool = False         # a save was ever issued (its blocks may still be read)
     scheduled: bool = False      # its blocks hold computed (or loaded) KV
 
 
@@ -184,13 +184,14 @@ class SchedulerSide:
         self._loads, self._saves, self._hold = [], [], []
         return meta
 
-    def _plan_save(self, st: _Req, computed: int, block_ids: list[int] | None = None) -> None:
-        """Save the chunks whose KV is complete at `computed` tokens and whose ids are known."""
+    def _plan_save(self, st: _Req, computed: int, block_ids: list[int] | None = None) -> bool:
+        """Save the chunks whose KV is complete at `computed` tokens and whose ids are known;
+        True if a job was added."""
         done = min(computed, st.request.num_tokens) // self.chunk
         ids = st.block_ids if block_ids is None else block_ids
         done = min(done, len(ids) // self.m)
         if done <= st.saved_upto:
-            return
+            return False
         keys = self._keys(st, done)
         rows = [ids[c * self.m:(c + 1) * self.m] for c in range(st.saved_upto, done)]
         hint = st.hint or SessionHint()
@@ -198,15 +199,23 @@ class SchedulerSide:
                                    hint.session_id, hint.expected_gap_s))
         st.saved_chunks += done - st.saved_upto
         st.saved_upto = done
-        st.saving = True
+        return True
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """(keep the blocks?, `{"kvtier": {"hit_tokens": {tier: n}, "saved_chunks": n}}`)."""
+        """(keep the blocks?, `{"kvtier": {"hit_tokens": {tier: n}, "saved_chunks": n}}`).
+
+        Chunks saved in earlier steps were gathered in those steps, before the blocks could
+        be freed (on CUDA: queued on the compute stream before any later write), so they need
+        no hold. Only chunks whose token ids became known at the end (async scheduling, spec
+        decode) are saved now, from blocks the scheduler must keep until the worker has
+        gathered them and reports the request in `finished_sending`.
+        """
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False, None
-        if st.scheduled:  # never scheduled (aborted while loading): its blocks hold nothing yet
-            self._plan_save(st, request.num_computed_tokens, list(block_ids))
+        # never scheduled (aborted while loading): its blocks hold nothing to save
+        hold = st.scheduled and self._plan_save(st, request.num_computed_tokens,
+                                                list(block_ids))
         done = min(request.num_computed_tokens, request.num_tokens) // self.chunk
         if done:
             try:
@@ -214,10 +223,10 @@ class SchedulerSide:
             except KVTierError as e:
                 log.warning("kvtier: session bookkeeping failed for %s: %s",
                             request.request_id, e)
-        if st.saving:
+        if hold:
             self._hold.append(request.request_id)
-        return st.saving, {"kvtier": {"hit_tokens": dict(st.tier_tokens),
-                                      "saved_chunks": st.saved_chunks}}
+        return hold, {"kvtier": {"hit_tokens": dict(st.tier_tokens),
+                                 "saved_chunks": st.saved_chunks}}
 
     def get_stats(self) -> KVTierStats | None:
         return self.stats.take()

@@ -145,7 +145,9 @@ class Engine:
 
     def reset_prefix_cache(self) -> None:
         """Drop vLLM's local prefix cache, so the next hits must come from the connector."""
-        self._call({"op": "reset_prefix_cache"}, 120)
+        if not self._call({"op": "reset_prefix_cache"}, 120)["ok"]:
+            raise EngineError("vLLM refused to reset its prefix cache (blocks still held by a "
+                              f"request or a connector){self.log_tail()}")
 
     def close(self, timeout_s: float = 60) -> None:
         if self.proc.poll() is None:

@@ -125,7 +125,10 @@ def test_a_corrupt_block_on_disk_is_recomputed(engines, cluster):
     e = node(engines, cluster, "e")
     out = served(e, prompt)
     assert out.token_ids == engines.baseline(prompt, TOKENS).token_ids
-    assert out.num_cached_tokens <= bad * CHUNK  # recomputed from the bad chunk on
+    # vLLM recomputed from the bad chunk on (and kvtier saved those chunks again)
+    assert out.kv_transfer_params["kvtier"]["saved_chunks"] == len(keys) + 1 - bad
+    quarantined = [p for p in (cluster.shared / ".quarantine").rglob("*") if keys[bad] in p.name]
+    assert quarantined, "the corrupt file was not quarantined"
     e.reset_prefix_cache()
     healed = served(e, prompt)  # the recomputed chunks were saved again
     assert healed.num_cached_tokens >= 0.9 * full_block_tokens(prompt)
@@ -166,7 +169,8 @@ def test_as_a_multiconnector_child(engines, cluster, tmp_path):
                           "kv_connector_extra_config": {
                               "shared_storage_path": str(example_dir)}}]}}
     f = engines.get("f", multi)
-    prompt = random_prompt(1, LONG)  # in kvtier since the first test
+    prompt = random_prompt(7, LONG)
+    served(node(engines, cluster, "a"), prompt)  # now in kvtier
     out = served(f, prompt)
     assert out.num_cached_tokens >= 0.9 * full_block_tokens(prompt)
     assert tier_hits(out) and out.token_ids == engines.baseline(prompt, TOKENS).token_ids
