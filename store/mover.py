@@ -26,7 +26,11 @@ NODE_LOCAL_KINDS = frozenset({"nvme"})
 
 
 class Mover:
-    """Moves blocks between the tiers of one `TieredStore`."""
+    """Moves blocks between the tiers of one `TieredStore`.
+
+    With `start=False` no thread runs: queued work waits for `drain()` and `tick()` (tests,
+    and lookup-only stores that never save).
+    """
 
     def __init__(self, store, start: bool = True):
         self.store = store
@@ -66,8 +70,6 @@ class Mover:
             self._queue.append((kind, list(keys), src))
             self._queued += len(keys)
             self._cv.notify()
-        if self._thread is None:
-            self.drain()
 
     def pending(self) -> int:
         """Blocks queued or being moved right now."""

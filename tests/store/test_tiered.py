@@ -1,0 +1,211 @@
+"""TieredStore on real tiers (a real master, real files, real LMDB): the data path, the
+mover, and a hypothesis state machine over small tiers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from conftest import make_policy
+from kvtier.store import block
+from kvtier.store.index_record import READY
+from kvtier.store.keys import Namespace, block_keys
+from kvtier.store.tiered import SessionHint, TieredStore
+from kvtier.tiers import MISS
+
+PAYLOAD = 200_000
+NS = Namespace(model="tiered-test", chunk_tokens=16)
+
+
+def payload_of(key: str) -> bytes:
+    return random.Random(key).randbytes(PAYLOAD)
+
+
+def frames_for(keys):
+    out = []
+    for key in keys:
+        f = block.alloc_aligned(block.frame_size(PAYLOAD, block.PAGE))
+        f[block.HEADER_SIZE:block.HEADER_SIZE + PAYLOAD] = payload_of(key)
+        block.seal(f, key, PAYLOAD)
+        out.append(f)
+    return out
+
+
+def outs_for(n):
+    return [block.alloc_aligned(block.frame_size(PAYLOAD, block.PAGE)) for _ in range(n)]
+
+
+def small_policy(root, master, **mover):
+    return make_policy(
+        root, master_address=master.address,
+        mover={"interval_s": 0.05, "buffer": "8MiB", **mover},
+        tiers=[
+            {"name": "dram", "kind": "mooncake", "capacity": "16MiB", "buffer": "16MiB",
+             "staging": "8MiB"},
+            {"name": "nvme", "kind": "nvme", "path": str(root / "nvme"), "capacity": "8MiB",
+             "region_size": "1MiB"},
+            {"name": "shared", "kind": "sharedfs", "path": str(root / "shared"),
+             "capacity": "64MiB"},
+        ],
+        admission={"kind": "always"})
+
+
+def check_loaded(store, keys):
+    outs = outs_for(len(keys))
+    got = store.load(keys, outs)
+    for key, out, n in zip(keys, outs, got):
+        if n != MISS:
+            assert n == PAYLOAD
+            assert bytes(out[block.HEADER_SIZE:block.HEADER_SIZE + n]) == payload_of(key)
+    return got
+
+
+def test_save_lookup_load_and_persist(tmp_path, shared_master):
+    keys = block_keys(NS, range(16 * 8))
+    with TieredStore(small_policy(tmp_path, shared_master), mover=False) as store:
+        assert store.lookup(keys).hit_blocks == 0
+        assert store.save(keys, frames_for(keys), SessionHint("s")) == [True] * 8
+        assert store.save(keys[:2], frames_for(keys[:2])) == [True, True]  # dedup: present
+        assert store.tiers[0].counters()["puts"] == 8
+        found = store.lookup(keys)
+        assert found.hit_blocks == 8 and set(found.tiers) == {"dram"}
+        assert check_loaded(store, keys) == [PAYLOAD] * 8
+        store.mover.drain()  # persist to the capacity tiers
+        for tier in ("nvme", "shared"):
+            assert all(store.by_name[tier].contains(keys))
+        # The pool loses the blocks: lookups and loads fall through to nvme, and promote.
+        store.tiers[0].delete(keys)
+        found = store.lookup(keys)
+        assert found.hit_blocks == 8 and set(found.tiers) == {"nvme"}
+        assert check_loaded(store, keys) == [PAYLOAD] * 8
+        store.mover.drain()
+        assert all(store.tiers[0].contains(keys))
+
+
+def test_prefix_stops_at_the_first_missing_block(tmp_path, shared_master):
+    keys = block_keys(NS, range(16 * 6))
+    with TieredStore(small_policy(tmp_path, shared_master), mover=False) as store:
+        store.save(keys, frames_for(keys))
+        store.tiers[0].delete([keys[2]])
+        assert store.lookup(keys).hit_blocks == 2
+        store.save([keys[2]], frames_for([keys[2]]))
+        assert store.lookup(keys).hit_blocks == 6
+
+
+def test_reopen_finds_persisted_blocks(tmp_path, shared_master):
+    keys = block_keys(NS, range(16 * 4))
+    policy = small_policy(tmp_path, shared_master)
+    with TieredStore(policy, mover=False) as store:
+        store.save(keys, frames_for(keys))
+        store.mover.drain()
+    # The process's pool segment went away with its client; nvme and sharedfs remain.
+    with TieredStore(policy, mover=False) as store:
+        found = store.lookup(keys)
+        assert found.hit_blocks == 4 and "dram" not in found.tiers
+        assert check_loaded(store, keys) == [PAYLOAD] * 4
+
+
+def test_watermark_demotes_instead_of_dropping(tmp_path, shared_master):
+    policy = small_policy(tmp_path, shared_master)
+    with TieredStore(policy, mover=False) as store:
+        cap = store.tiers[0].capacity_bytes
+        frame = block.frame_size(PAYLOAD)
+        n = int(cap * 1.5 // frame)
+        keys = block_keys(NS, range(16 * n))
+        for i in range(0, n, 8):
+            store.save(keys[i:i + 8], frames_for(keys[i:i + 8]), SessionHint(f"s{i}"))
+            store.mover.drain()
+        store.mover.tick()
+        assert store.tiers[0].used_bytes() <= policy.mover.high_watermark * cap
+        assert store.mover.stats["evicted_dram"] > 0
+        found = store.lookup(keys)
+        assert found.hit_blocks == n  # every block is still somewhere
+        assert check_loaded(store, keys) == [PAYLOAD] * n
+
+
+class TieredMachine(RuleBasedStateMachine):
+    """Random sessions, loads, ticks, pool losses and reopens against small tiers."""
+
+    master = None
+    root = None
+
+    def __init__(self):
+        super().__init__()
+        import tempfile
+        from pathlib import Path
+        self.dir = Path(tempfile.mkdtemp(dir=self.root))
+        self.policy = small_policy(self.dir, self.master)
+        self.store = TieredStore(self.policy, mover=False)
+        self.saved: set[str] = set()
+        self.sessions: dict[int, list[int]] = {}
+
+    @rule(sid=st.integers(0, 5), grow=st.integers(1, 6))
+    def turn(self, sid, grow):
+        tokens = self.sessions.setdefault(sid, [sid * 1000])
+        tokens.extend(range(len(tokens) + sid * 1000, len(tokens) + sid * 1000 + 16 * grow))
+        keys = block_keys(NS, tokens)
+        hint = SessionHint(f"s{sid}")
+        found = self.store.lookup(keys, hint)
+        self.store.mover.tick()  # eviction between lookup and load must spare pinned blocks
+        got = check_loaded(self.store, keys[:found.hit_blocks])
+        assert MISS not in got, "a block promised by lookup was evicted before its load"
+        new = keys[found.hit_blocks:]
+        stored = self.store.save(new, frames_for(new), hint)
+        self.saved.update(k for k, ok in zip(new, stored) if ok)
+        self.store.finish(keys, hint)
+
+    @rule()
+    def move(self):
+        self.store.mover.drain()
+        self.store.mover.tick()
+
+    @rule()
+    def lose_pool(self):
+        keys = list(self.saved)
+        self.store.tiers[0].delete(keys)
+        self.store.placement.on_remove(self.store.tiers[0], keys)
+
+    @precondition(lambda self: self.saved)
+    @rule(data=st.data())
+    def load_any(self, data):
+        keys = data.draw(st.lists(st.sampled_from(sorted(self.saved)), min_size=1, max_size=6,
+                                  unique=True))
+        check_loaded(self.store, keys)  # asserts: whatever comes back is the saved bytes
+
+    @rule()
+    def reopen(self):
+        self.store.mover.drain()
+        self.store.close()
+        self.store = TieredStore(self.policy, mover=False)
+
+    @invariant()
+    def within_capacity_and_consistent(self):
+        for tier in self.store.tiers:
+            assert tier.used_bytes() <= tier.capacity_bytes, tier.name
+        ix = self.store.index
+        assert ix.pending_count() == 0
+        for name in ("nvme", "shared"):
+            tier = self.store.by_name[name]
+            entries = [e.key for e in ix.scan(name, states=(READY,))]
+            assert all(tier.contains(entries)), f"{name}: index entry without bytes"
+            assert ix.tier_usage(name)[0] == len(entries)
+
+    def teardown(self):
+        self.store.close()
+
+
+@pytest.fixture
+def machine(shared_master, tmp_path):
+    TieredMachine.master, TieredMachine.root = shared_master, tmp_path
+    return TieredMachine
+
+
+def test_tiered_state_machine(machine):
+    from hypothesis.stateful import run_state_machine_as_test
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=12, stateful_step_count=20, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]))
