@@ -7,14 +7,15 @@ tracker (`PolicyContext.sessions`, a `SessionView`) says how likely that turn is
 Blocks are grouped in units: (owning session, share level), the level being how many live
 sessions share the block, in powers of two (`shared_min_sessions` and up; 1 below). Victims:
 1. blocks of no live session (their session ended or was never known), least recent first;
-2. then unit by unit, the unit least likely to be read within the horizon first: its
-   session's chance to return (`reuse_probability`: the learned log-normal gap, the class of
-   the wait ahead, the learned chance the session ended), raised for shared units to the
-   chance that any of `level` such sessions returns, so a system prompt shared by many
-   outlives every session that uses it; each unit from its TAIL (highest chain position).
-The horizon is the tier's turnover time: a moving average of the victims' idle ages
-(a block is worth keeping if it is read before the tier would turn it over anyway),
-seeded with `horizon_s`.
+2. then unit by unit, the unit with the lowest hit density first (`rank: density`, after
+   LHD: the chance it is read within some holding time, over the bytes-seconds it would
+   hold; `rank: next_use` instead evicts the furthest predicted read first). Both come from
+   the session tracker's prediction: the learned log-normal gap, the class of the wait ahead
+   (a tool call, a person), the learned chance the session ended; a shared unit is read
+   when the first of its `level` sessions returns, so a system prompt shared by many
+   outlives every session that uses it. Each unit goes from its TAIL (highest position).
+A unit's rank is recomputed when the policy hears of its session and for every unit every
+`refresh_s` (only mutations recompute, so selection stays side-effect free).
 
 For the mover: `select_demotions` offers, tail first, the blocks of sessions past the
 `idle_quantile` of their gap distribution, so the store moves them down one tier before
@@ -33,7 +34,7 @@ from collections.abc import Collection, Hashable
 import numpy as np
 
 from kvtier.eviction.base import NO_META, BlockMeta, EvictionPolicy, Key, take_until
-from kvtier.eviction.session_scores import SessionSlots, share_level
+from kvtier.eviction.session_scores import SessionSlots, hit_density, share_level, time_to_read
 
 _ORPHAN = ("", 0)  # the unit of blocks without a live session
 
@@ -74,19 +75,21 @@ class AgenticPolicy(EvictionPolicy):
     def __init__(self, config, ctx):
         super().__init__(config, ctx)
         self.sessions = ctx.sessions
-        self.horizon_s = float(config.horizon_s)
         self.size: dict[Key, int] = {}
         self.entry: dict[Key, tuple] = {}  # key -> (unit, position, seq)
-        self.last: dict[Key, float] = {}
         self.chains: dict[tuple, _Chain] = {}
         self.orphan: OrderedDict[Key, None] = OrderedDict()
         self.slots = SessionSlots()
         self.units_of: dict[Hashable, set[tuple]] = {}
         self._fresh: dict[Hashable, float] = {}   # session -> when its slots were refreshed
         self._all_fresh = -float("inf")
+        self._clock = 0.0                         # the `now` of the latest mutation
+        self._all_snap = -float("inf")
+        self._cursor = 0                          # into the tracker's log of changes
+        self._dirty: set[int] = set()             # slots whose rank must be recomputed
+        self._dirty_all = False
         self._seq = itertools.count()
-        self._offered: tuple[float, frozenset] = (0.0, frozenset())
-        self._grid = np.geomspace(config.density_min_s, config.density_max_s, 24)
+        self._grid = np.geomspace(config.density_min_s, config.density_max_s, 16)
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def _unit_of(self, meta: BlockMeta) -> tuple:
@@ -110,6 +113,8 @@ class AgenticPolicy(EvictionPolicy):
                 self._fresh[sid] = -float("inf")
             self.units_of[sid].add(unit)
             self.slots.refresh(i, self.sessions.snapshot(sid))
+            self.slots.stamp[i] = self._clock
+            self._dirty.add(i)
         chain.add(position, seq, key, self.size[key])
 
     def _drop(self, key: Key) -> None:
@@ -122,27 +127,63 @@ class AgenticPolicy(EvictionPolicy):
         if not chain.order:
             del self.chains[unit]
             self.slots.remove(unit)
+            self._dirty.discard(self.slots.free[-1])
             units = self.units_of[unit[0]]
             units.discard(unit)
             if not units:
                 del self.units_of[unit[0]], self._fresh[unit[0]]
 
     def _refresh(self, sid: Hashable, now: float) -> None:
-        """Copy the tracker's view of a session into its slots once per instant, and of every
-        session every `refresh_s` (the tracker keeps learning). Only mutations call this,
-        so selections stay side-effect free."""
+        """Re-read the predictions of the sessions the tracker changed (a turn began or
+        ended) and of `sid`, once per instant, and mark their units for re-ranking as of
+        `now`; every `refresh_s`, mark every unit (idle times grow), and every `resnap_s`
+        re-read every session (the tracker's model keeps learning)."""
+        self._clock = now
+        sl = self.slots
+        changed, self._cursor = self.sessions.changes(self._cursor)
+        for s in (changed if changed is not None else list(self.units_of)):
+            if s in self.units_of and self._fresh[s] != now:
+                self._snap(s, now)
         if now - self._all_fresh >= self.config.refresh_s:
             self._all_fresh = now
-            todo = list(self.units_of)
-        elif sid in self._fresh and self._fresh[sid] != now:
-            todo = [sid]
+            sl.stamp[:] = now
+            self._dirty_all = True
+            if now - self._all_snap >= self.config.resnap_s:
+                self._all_snap = now
+                for s in self.units_of:
+                    self._snap(s, now)
+                return
+        if sid in self._fresh and self._fresh[sid] != now:
+            self._snap(sid, now)
+
+    def _snap(self, sid: Hashable, now: float) -> None:
+        snap = self.sessions.snapshot(sid)
+        sl = self.slots
+        for unit in self.units_of[sid]:
+            i = sl.index[unit]
+            sl.refresh(i, snap)
+            sl.stamp[i] = now
+            self._dirty.add(i)
+        self._fresh[sid] = now
+
+    def _ranks(self) -> np.ndarray:
+        """The ranking key per slot (lowest evicted first), each as of its slot's stamp.
+        Recomputes only what mutations marked: a memo, so selection stays free of effects."""
+        sl = self.slots
+        if self._dirty_all:
+            idx = np.flatnonzero(sl.used)
+        elif self._dirty:
+            idx = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
         else:
-            return
-        for s in todo:
-            snap = self.sessions.snapshot(s)
-            for unit in self.units_of[s]:
-                self.slots.refresh(self.slots.index[unit], snap)
-            self._fresh[s] = now
+            return sl.key
+        self._dirty_all, self._dirty = False, set()
+        if len(idx):
+            cols = sl.columns(sl.stamp[idx], idx)
+            if self.config.rank == "density":
+                sl.key[idx] = hit_density(*cols, self._grid)
+            else:
+                sl.key[idx] = -time_to_read(*cols, self.config.next_use_quantile)
+        return sl.key
 
     def on_insert(self, key: Key, size: int, now: float, meta: BlockMeta = NO_META) -> None:
         if key in self.entry:
@@ -150,16 +191,15 @@ class AgenticPolicy(EvictionPolicy):
             self.used_bytes -= self.size[key]
         self.size[key] = size
         self.used_bytes += size
-        self.last[key] = now
+        self._clock = now
         self._add(key, self._unit_of(meta), meta.position)
         self._refresh(meta.session, now)
-        self._offered = (0.0, frozenset())
 
     def on_access(self, key: Key, now: float, meta: BlockMeta = NO_META) -> None:
         entry = self.entry.get(key)
         if entry is None:
             return
-        self.last[key] = now
+        self._clock = now
         unit = self._unit_of(meta) if meta is not NO_META else entry[0]
         if unit != entry[0]:
             self._drop(key)
@@ -171,25 +211,13 @@ class AgenticPolicy(EvictionPolicy):
     def on_remove(self, key: Key) -> None:
         if key not in self.entry:
             return
-        when, offered = self._offered
-        if key in offered:  # a victim leaving: learn the tier's turnover time from its age
-            age = max(when - self.last[key], self.config.min_horizon_s)
-            w = self.config.horizon_ewma
-            self.horizon_s = (1 - w) * self.horizon_s + w * age
         self._drop(key)
         self.used_bytes -= self.size.pop(key)
-        del self.last[key]
 
-    # ---- selection (no side effects; the memo of what was offered only feeds on_remove) ----
+    # ---- selection: reads the ranks, changes nothing -----------------------------------------
     def _ranked_units(self, now: float):
         sl = self.slots
-        if self.config.rank == "density":   # least hits per byte-second of holding first
-            key = sl.hit_density(now, self._grid)
-        elif self.config.rank == "next_use":  # furthest predicted read first
-            key = -sl.next_use(now, self.config.next_use_quantile)
-        else:                               # least likely read within the horizon first
-            key = sl.scores(now, self.horizon_s)
-        key = np.where(sl.used, key, np.inf)
+        key = np.where(sl.used, self._ranks(), np.inf)
         # among equals the longest idle first, then the least shared
         for i in np.lexsort((sl.level, sl.since, key)):
             if not sl.used[i]:
@@ -206,40 +234,36 @@ class AgenticPolicy(EvictionPolicy):
                                    skip, out, freed)
                 if freed >= need_bytes:
                     break
-        self._offered = (now, frozenset(out))
         return out
 
     def select_demotions(self, now: float, max_bytes: int) -> list[Key]:
         out: list[Key] = []
         freed = take_until(self.orphan, self.size, max_bytes, (), out, 0)
         view, q = self.sessions, self.config.idle_quantile
-        for unit in self._ranked_units(now):
-            if freed >= max_bytes:
+        for unit in self._ranked_units(now):  # coldest first: stop at the first hot one
+            if freed >= max_bytes or view.hot_until(unit[0], q) > now:
                 break
-            if view.is_active(unit[0]) or view.hot_until(unit[0], q) > now:
-                continue
             freed = take_until(self.chains[unit].tail_first(), self.size, max_bytes, (),
                                out, freed)
         return out
 
     def select_prefetch(self, now: float, max_bytes: int) -> list[Key]:
-        if not self.config.prefetch:
+        if not self.config.prefetch or not self.chains:
             return []
-        view, rate = self.sessions, self.ctx.restore_bytes_per_s
+        sl, rate = self.slots, self.ctx.restore_bytes_per_s
+        wait = np.where(sl.used, time_to_read(*sl.columns(now), self.config.prefetch_quantile),
+                        np.inf)
         due = []
-        for sid, units in self.units_of.items():
-            held = sum(self.chains[u].bytes for u in units)
-            back = view.predicted_return(sid, now, self.config.prefetch_quantile)
-            if back - held / rate <= now:
-                due.append((back, sid))
-        due.sort(key=lambda t: t[0])
+        for i in np.flatnonzero(wait < np.inf):
+            unit = sl.units[i]
+            if wait[i] <= self.chains[unit].bytes / rate:
+                due.append((wait[i], -unit[1], i))
+        due.sort()
         out: list[Key] = []
         taken = 0
-        for _, sid in due:
-            # shared units first (they head the chain), each head first
-            for unit in sorted(self.units_of[sid], key=lambda u: -u[1]):
-                taken = take_until(self.chains[unit].head_first(), self.size, max_bytes, (),
-                                   out, taken)
+        for _, _, i in due:  # soonest back first; a unit's head first
+            taken = take_until(self.chains[sl.units[i]].head_first(), self.size, max_bytes, (),
+                               out, taken)
             if taken >= max_bytes:
                 break
         return out

@@ -79,6 +79,10 @@ class SessionView(Protocol):
     def is_active(self, session: Hashable) -> bool:
         """True while a turn of the session is being served (arrived, not yet ended)."""
 
+    def changes(self, cursor: int) -> tuple[list | None, int]:
+        """Sessions whose state changed since `cursor` (0 at first) and the new cursor; None
+        for the list when the cursor is too old (re-read every session)."""
+
 
 class NextUse(Protocol):
     """The future, for the offline oracle: when is `key` looked up next (inf if never)."""

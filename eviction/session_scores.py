@@ -1,9 +1,9 @@
 """Session scores in arrays: the agentic policy ranks every session of a tier at once.
 
-`SessionSlots` keeps, per session with blocks in the tier, the inputs of the tracker's
-prediction (`Snapshot`: last turn end, log-normal gap, probability of another turn, active
-flag) in numpy arrays, and computes the same probability as
-`SessionTracker.reuse_probability` for all of them in one vectorized pass. Pure arithmetic.
+`SessionSlots` keeps, per unit of blocks in the tier, the inputs of the tracker's prediction
+(`Snapshot`: when the gap clock started, log-normal gap, probability of another turn, active
+flag) in numpy arrays; `hit_density` and `time_to_read` compute, for many units in one
+vectorized pass, the quantities the agentic policy ranks by. Pure arithmetic.
 """
 
 from __future__ import annotations
@@ -55,6 +55,37 @@ def _ndtri(p: np.ndarray) -> np.ndarray:
     return np.where(np.abs(p - 0.5) <= 0.47575, mid, tail)
 
 
+def hit_density(idle, mu, sigma, alive, level, grid_s: np.ndarray) -> np.ndarray:
+    """Least-hit-density index (after LHD, Beckmann et al., NSDI'18): the best, over holding
+    limits T in `grid_s`, of P(read within T) / E[time held, at most T], given no read for
+    `idle` seconds. A session that cannot be back for a while, or may never be back, scores
+    low; a unit shared by `level` sessions is read when the first returns (survival^level)."""
+    idle, mu, sigma = idle[:, None], mu[:, None], sigma[:, None]
+    alive, level = alive[:, None], level[:, None]
+    pts = np.concatenate([[0.0], grid_s])[None, :]
+    surv = (alive * _survival(idle + pts, mu, sigma) + (1.0 - alive)) ** level
+    surv = surv / np.maximum(surv[:, :1], 1e-300)          # condition on "not yet"
+    p_read = 1.0 - surv[:, 1:]
+    held = np.cumsum((surv[:, 1:] + surv[:, :-1]) * 0.5 * np.diff(pts), axis=1)
+    return (p_read / np.maximum(held, 1e-12)).max(axis=1)
+
+
+def time_to_read(idle, mu, sigma, alive, level, quantile: float) -> np.ndarray:
+    """Seconds from now until the next read has come with probability `quantile`, given
+    none for `idle` seconds (as `SessionTracker.predicted_return`); a unit shared by `level`
+    sessions is read when the first returns: the 1 - (1 - q)^(1/level) quantile of one.
+    inf when it may never come with that probability."""
+    q = 1.0 - (1.0 - quantile) ** (1.0 / level)
+    s_now = _survival(idle, mu, sigma)
+    alive = np.maximum(alive, 1e-12)
+    target = s_now - q * (alive * s_now + 1.0 - alive) / alive
+    ok = target > 0
+    z = _ndtri(1.0 - np.where(ok, target, 0.5))
+    with np.errstate(over="ignore"):
+        wait = np.exp(mu + sigma * z) - idle
+    return np.where(ok, np.maximum(wait, 0.0), np.inf)
+
+
 def share_level(shared_by: int, shared_min: int) -> int:
     """Blocks are grouped by how many sessions share them, in powers of two."""
     if shared_by < shared_min:
@@ -63,13 +94,12 @@ def share_level(shared_by: int, shared_min: int) -> int:
 
 
 class SessionSlots:
-    """Prediction inputs per *unit* in arrays, so one selection scores every unit of the
-    tier at once. A unit is (session, share level): the blocks a session owns that `level`
-    sessions share. A shared block is lost to all its sessions, so a unit scores
-    1 - (1 - p)^level, p its owner's probability (sharers treated as alike and independent).
-    Refreshed from the tracker when the policy hears of the session."""
+    """Prediction inputs per *unit* in arrays, so one pass scores every unit of a tier.
+    A unit is (session, share level): the blocks a session owns that about `level` live
+    sessions share (sharers are treated as alike and independent). `key` holds each unit's
+    ranking key (lowest evicted first), computed by the owner of the slots."""
 
-    _FLOATS = ("since", "mu", "sigma", "alive", "level")
+    _FLOATS = ("since", "mu", "sigma", "alive", "level", "key", "stamp")
 
     def __init__(self):
         self.index: dict[tuple, int] = {}
@@ -113,48 +143,8 @@ class SessionSlots:
         (its next turn follows this one)."""
         return np.where(self.active, 0.0, now - self.since)
 
-    def hit_density(self, now: float, grid_s: np.ndarray) -> np.ndarray:
-        """Least-hit-density index per unit (after LHD, Beckmann et al., NSDI'18): the best,
-        over holding limits T in `grid_s`, of P(read within T) / E[time held, at most T],
-        given no read since the last arrival. A session that cannot be back for a while, or
-        may never be back, scores low; shared units use survival^level. -inf when empty."""
-        idle = self.idle(now)[:, None]
-        mu, sigma = self.mu[:, None], self.sigma[:, None]
-        alive, level = self.alive[:, None], self.level[:, None]
-        pts = np.concatenate([[0.0], grid_s])[None, :]
-        surv = (alive * _survival(idle + pts, mu, sigma) + (1.0 - alive)) ** level
-        surv = surv / np.maximum(surv[:, :1], 1e-300)          # condition on "not yet"
-        p_read = 1.0 - surv[:, 1:]
-        held = np.cumsum((surv[:, 1:] + surv[:, :-1]) * 0.5 * np.diff(pts), axis=1)
-        dens = (p_read / np.maximum(held, 1e-12)).max(axis=1)
-        return np.where(self.used, dens, -np.inf)
-
-    def next_use(self, now: float, quantile: float) -> np.ndarray:
-        """Predicted next read per unit: the time by which it has come with probability
-        `quantile` given none so far (`SessionTracker.predicted_return`); a unit shared by
-        `level` sessions is read when the first of them returns, so its quantile is the
-        1 - (1 - quantile)^(1/level) quantile of one. inf for no return and empty slots."""
-        q = 1.0 - (1.0 - quantile) ** (1.0 / self.level)
-        since = now - self.idle(now)
-        s_now = _survival(now - since, self.mu, self.sigma)
-        alive = np.maximum(self.alive, 1e-12)
-        target = s_now - q * (alive * s_now + 1.0 - alive) / alive
-        ok = self.used & (target > 0)
-        z = _ndtri(1.0 - np.where(ok, target, 0.5))
-        with np.errstate(over="ignore"):
-            back = since + np.exp(self.mu + self.sigma * z)
-        return np.where(ok, np.maximum(back, now), np.inf)
-
-    def scores(self, now: float, horizon_s: float) -> np.ndarray:
-        """P(a unit's blocks are read within the horizon) (per session as
-        `SessionTracker.reuse_probability`); inf for empty slots. An active session gets no
-        favour: its blocks were read at its lookup (the store pins what is being loaded),
-        the next read is its next turn."""
-        idle = self.idle(now)
-        s_now = _survival(idle, self.mu, self.sigma)
-        s_then = _survival(idle + horizon_s, self.mu, self.sigma)
-        den = self.alive * s_now + (1.0 - self.alive)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            p = np.where(den > 0, self.alive * (s_now - s_then) / den, 0.0)
-        p = 1.0 - (1.0 - np.clip(p, 0.0, 1.0)) ** self.level
-        return np.where(self.used, p, np.inf)
+    def columns(self, now, idx=slice(None)) -> tuple:
+        """(idle, mu, sigma, alive, level) of the slots `idx` at time(s) `now`: the inputs
+        of the indices."""
+        idle = np.where(self.active[idx], 0.0, now - self.since[idx])
+        return idle, self.mu[idx], self.sigma[idx], self.alive[idx], self.level[idx]

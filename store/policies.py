@@ -52,8 +52,9 @@ class AgenticConfig(BaseModel):
     """Session-aware eviction: keep a live session hot until its next turn is unlikely.
 
     `idle_quantile` (YAML also `idle_demote_after: p90_gap`): a session idle past this
-    quantile of its gap distribution is offered for demotion. `horizon_s` seeds the horizon
-    over which a session's return is weighed (then tracks the tier's turnover time).
+    quantile of its gap distribution is offered for demotion. `rank`: evict the lowest hit
+    density first (`density`, over holding times from `density_min_s` to `density_max_s`)
+    or the furthest predicted read (`next_use`, its `next_use_quantile`).
     `prefetch_quantile`: a demoted session is brought back once its next turn has come with
     this probability, less the time to restore it. `prior_gap_s` seeds the session tracker's
     gap prior.
@@ -66,11 +67,9 @@ class AgenticConfig(BaseModel):
     prefetch_quantile: float = Field(default=0.2, gt=0, lt=1)
     shared_min_sessions: int = Field(default=2, ge=2)
     prior_gap_s: float = Field(default=5.0, gt=0)
-    horizon_s: float = Field(default=30.0, gt=0)
-    min_horizon_s: float = Field(default=1.0, gt=0)
-    horizon_ewma: float = Field(default=0.01, ge=0, le=1)
-    refresh_s: float = Field(default=5.0, gt=0)   # re-read every session's prediction
-    rank: Literal["density", "next_use", "horizon"] = "density"
+    refresh_s: float = Field(default=5.0, gt=0)    # re-rank every unit (idle times grow)
+    resnap_s: float = Field(default=60.0, gt=0)    # re-read every session's prediction
+    rank: Literal["density", "next_use"] = "density"
     density_min_s: float = Field(default=0.25, gt=0)
     density_max_s: float = Field(default=3600.0, gt=0)
     next_use_quantile: float = Field(default=0.5, gt=0, lt=1)
@@ -102,7 +101,7 @@ class ReuseAdmissionConfig(BaseModel):
     nvme_write_budget_bps: Rate | None = Field(default=None, alias="nvme_write_budget")
     sharedfs_write_budget_bps: Rate | None = Field(default=None, alias="sharedfs_write_budget")
     burst_s: float = Field(default=600.0, gt=0)
-    min_reuse_probability: float = Field(default=0.2, ge=0, le=1)
+    min_reuse_probability: float = Field(default=0.05, ge=0, le=1)
 
 
 class AlwaysAdmissionConfig(BaseModel):

@@ -91,13 +91,19 @@ class GapModel:
         self.idle: dict = {}
         self.dead_total: dict[object, float] = {}
         self.idle_total: dict[object, int] = {}
+        # memos: policies ask for the same class estimates thousands of times between updates
+        self._gp: dict[object, tuple[float, float]] = {}
+        self._pe: dict[tuple[object, int], float] = {}
 
     def global_params(self, cls: object) -> tuple[float, float]:
         """(mu, sigma) of the class, shrunk toward the prior."""
-        g = self.gaps.get(cls)
-        if g is None or g.n == 0:
-            return self._mu0, self.prior.sigma
-        return self._shrink(g, self._mu0, self.prior.sigma, self.prior.weight)
+        out = self._gp.get(cls)
+        if out is None:
+            g = self.gaps.get(cls)
+            out = (self._mu0, self.prior.sigma) if g is None or g.n == 0 else \
+                self._shrink(g, self._mu0, self.prior.sigma, self.prior.weight)
+            self._gp[cls] = out
+        return out
 
     def params(self, own: LogStats | None, cls: object) -> tuple[float, float]:
         """(mu, sigma) for a session: its own log gaps shrunk toward the class estimate."""
@@ -116,14 +122,17 @@ class GapModel:
 
     def observe_gap(self, cls: object, gap_s: float) -> None:
         self.gaps[cls].add(gap_s)
+        self._gp.pop(cls, None)
 
     def observe_continue(self, cls: object, turns: int) -> None:
         self.cont[cls][_turn_bucket(turns)] += 1
         self.cont_total[cls] += 1
+        self._pe.clear()
 
     def observe_end(self, cls: object, turns: int) -> None:
         self.ends[cls][_turn_bucket(turns)] += 1
         self.ends_total[cls] += 1
+        self._pe.clear()
 
     def set_heterogeneity(self, per_class: dict[object, list[LogStats]]) -> None:
         """Re-estimate, per class, how many observations the class estimate is worth beside
@@ -147,8 +156,16 @@ class GapModel:
         self.dead, self.idle = dead, idle
         self.dead_total = {c: sum(d.values()) for c, d in dead.items()}
         self.idle_total = {c: sum(d.values()) for c, d in idle.items()}
+        self._pe.clear()
 
     def p_end(self, cls: object, turns: int) -> float:
+        b = _turn_bucket(turns)
+        out = self._pe.get((cls, b))
+        if out is None:
+            out = self._pe[(cls, b)] = self._p_end(cls, b)
+        return out
+
+    def _p_end(self, cls: object, b: int) -> float:
         """P(a session of this class ends after its `turns`-th turn): (seen ends + posterior
         ends among idle sessions) / (ends + continuations + idle), smoothed twice: the turn
         bucket toward the class, the class toward the prior."""
@@ -157,7 +174,6 @@ class GapModel:
         n_c = e_c + self.cont_total.get(cls, 0) + self.idle_total.get(cls, 0) \
             - self.dead_total.get(cls, 0.0)
         p_cls = (e_c + w * p0) / (n_c + w)
-        b = _turn_bucket(turns)
         e = k = idle = dead = 0
         if cls in self.ends:
             e = self.ends[cls].get(b, 0)

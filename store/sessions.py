@@ -99,6 +99,8 @@ class SessionTracker(SessionPredictions):
         self._pos: dict[Hashable, int] = {}
         self._reclaim: list[Hashable] = []
         self._ids = itertools.count(1)
+        self._log: list[Hashable] = []   # sessions in the order their state changed
+        self._log_base = 0               # position of _log[0] in the whole history
 
     # ---- requests ---------------------------------------------------------------------------
     def observe(self, keys: Sequence[Hashable], now: float, session: Hashable | None = None,
@@ -126,6 +128,7 @@ class SessionTracker(SessionPredictions):
         s.last_arrival, s.active = now, True
         s.hint_gap_s = expected_gap_s
         self._sessions.move_to_end(s.sid)
+        self._changed(s.sid)
         return Turn(s.sid, s.turns, new, common, len(dropped))
 
     def _infer(self, keys: list) -> _Session | None:
@@ -174,12 +177,30 @@ class SessionTracker(SessionPredictions):
         if expected_gap_s is not None:
             s.hint_gap_s = expected_gap_s
         self._sessions.move_to_end(session)
+        self._changed(session)
+
+    def _changed(self, sid: Hashable) -> None:
+        self._log.append(sid)
+        if len(self._log) > 1 << 16:  # readers that fell this far behind re-read everything
+            half = len(self._log) // 2
+            del self._log[:half]
+            self._log_base += half
+
+    def changes(self, cursor: int) -> tuple[list[Hashable] | None, int]:
+        """Sessions whose state changed (a turn began or ended, or it ended) since `cursor`
+        (0 at first), and the new cursor; None instead of a list when `cursor` is too old
+        and the reader should re-read every session."""
+        end = self._log_base + len(self._log)
+        if cursor < self._log_base:
+            return None, end
+        return self._log[cursor - self._log_base:], end
 
     def end_session(self, session: Hashable) -> list[Hashable]:
         """The session is over (a hint); returns keys now unreferenced (also in `reap`)."""
         s = self._sessions.pop(session, None)
         if s is None:
             return []
+        self._changed(session)
         start = len(self._reclaim)
         self._release(s.chain)
         return self._reclaim[start:]
