@@ -7,7 +7,7 @@ import sys
 import typer
 
 from kvtier.store.errors import ConfigError, KVTierError
-from kvtier.tools import cli_bench, cli_config, cli_inspect, cli_master
+from kvtier.tools import cli_bench, cli_config, cli_inspect, cli_master, cli_replay
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="kvtier: a tiered KV-cache store for agentic LLM serving.")
@@ -16,6 +16,7 @@ app.add_typer(cli_inspect.app, name="inspect")
 app.add_typer(cli_bench.app, name="bench")
 app.command("master")(cli_master.master)
 app.command("demo")(cli_master.demo)
+app.command("replay")(cli_replay.replay)
 
 
 def main() -> None:

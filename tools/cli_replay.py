@@ -1,0 +1,148 @@
+"""`kvtier replay`: replay traces against policies.
+
+`--simulate` is the policy-only replay (`tools.replay_run`): token hit rate of every policy at
+every capacity against `belady` and an infinite cache, plus the tiered variant, as rich tables
+and `--json FILE`. Replaying through a real engine (`--engine vllm|sim` without `--simulate`)
+is not implemented yet and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.table import Table
+
+from kvtier.store.errors import KVTierError
+from kvtier.tools.replay_run import CLASSIC, RunSpec, run
+from kvtier.tools.simulate import SimParams
+from kvtier.tools.synthetic import SyntheticSpec
+
+WORKLOADS = ("synthetic", "weka", "conversation")
+
+
+class ReplayError(KVTierError):
+    """A replay option is invalid or the mode is not available."""
+
+
+def _floats(text: str, what: str, n: int | None = None) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ReplayError(f"{what}: expected comma-separated numbers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals) or (n is not None and len(vals) != n):
+        want = f"{n} " if n else ""
+        raise ReplayError(f"{what}: expected {want}positive comma-separated numbers, "
+                          f"got {text!r}")
+    return vals
+
+
+def replay(
+    simulate: bool = typer.Option(False, "--simulate", help="policy-only replay, no bytes moved"),
+    engine: Optional[str] = typer.Option(None, help="replay through an engine: vllm | sim "
+                                         "(not implemented yet)"),
+    workload: list[str] = typer.Option(list(WORKLOADS), "--workload", "-w",
+                                       help="synthetic | weka | conversation (repeatable)"),
+    policies: str = typer.Option("lru,s3fifo,arc,agentic", help="policies besides belady"),
+    capacities: str = typer.Option("0.005,0.01,0.02,0.05,0.1,0.2,0.4",
+                                   help="capacities as fractions of the unique footprint"),
+    tiered: str = typer.Option("0.02,0.1,1.0", help="dram,nvme,sharedfs fractions for the "
+                               "tiered variant ('none' to skip)"),
+    traces: Path = typer.Option(Path(os.environ.get("KVTIER_TRACES", "../shared/traces")),
+                                help="folder with weka_cc_traces/ and conversation_trace.jsonl"),
+    sessions: int = typer.Option(64, min=1, help="synthetic: sessions"),
+    live: int = typer.Option(0, min=0, help="synthetic: sessions in progress at once "
+                             "(0: all)"),
+    weka_live: int = typer.Option(32, min=1, help="weka: sessions in progress at once"),
+    seed: int = typer.Option(0, help="seed of the synthetic workload and the weka order"),
+    bytes_per_token: int = typer.Option(131_072, min=1, help="KV bytes per token"),
+    prefill_tps: float = typer.Option(20_000.0, min=1.0, help="prefill tokens per second"),
+    jobs: int = typer.Option(min(2, os.cpu_count() or 1), min=1, help="worker processes"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
+) -> None:
+    """Replay traces against eviction policies (see `--simulate`)."""
+    if not simulate:
+        raise ReplayError("replay through an engine (--engine vllm|sim) is not implemented "
+                          "yet; use --simulate for the policy-only replay")
+    if engine is not None:
+        raise ReplayError("--engine cannot be combined with --simulate (engine replay is "
+                          "not implemented yet)")
+    bad = [w for w in workload if w not in WORKLOADS]
+    if bad:
+        raise ReplayError(f"unknown workload {bad[0]!r}; known: {', '.join(WORKLOADS)}")
+    pols = tuple(p.strip() for p in policies.split(",") if p.strip())
+    from kvtier.eviction import EVICTION_POLICIES
+    unknown = [p for p in pols if p not in EVICTION_POLICIES or p == "belady"]
+    if unknown:
+        raise ReplayError(f"unknown or implicit policy {unknown[0]!r}; choose from "
+                          f"{', '.join(k for k in EVICTION_POLICIES if k != 'belady')}")
+    spec = RunSpec(
+        workloads=tuple(dict.fromkeys(workload)), policies=pols,
+        capacities=_floats(capacities, "--capacities"),
+        tiered=None if tiered == "none" else _floats(tiered, "--tiered", 3),
+        traces=traces, synthetic=SyntheticSpec(sessions=sessions, live=live or sessions,
+                                               seed=seed, prefill_tokens_per_s=prefill_tps),
+        weka_live=weka_live, seed=seed, jobs=jobs,
+        sim=SimParams(bytes_per_token=bytes_per_token, prefill_tokens_per_s=prefill_tps))
+    console = Console(width=max(Console().width, 110))  # tables stay readable in logs
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                  transient=True) as bar:
+        task = bar.add_task("loading traces", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, description="replaying", completed=done, total=total)
+
+        report = run(spec, progress)
+    render(report, console)
+    if json_out is not None:
+        json_out.write_text(json.dumps(report, indent=2, default=str))
+        console.print(f"wrote {json_out}")
+
+
+def _mark(ok) -> str:
+    return "" if ok is None else ("[green]yes[/]" if ok else "[red]no[/]")
+
+
+def render(report: dict, console: Console) -> None:
+    """One table per workload, then the tiered table."""
+    for name, w in report["workloads"].items():
+        pols = [p for p in report["spec"]["policies"]]
+        t = Table(title=f"{name}: {w['name']}, {w['requests']:,} requests, footprint "
+                  f"{w['footprint_tokens']:,} tokens; token hit rate %, infinite cache "
+                  f"{w['infinite']:.1f}")
+        for col in ["capacity", *pols, "belady", "gap", "closed", "(a)", "(b)"]:
+            t.add_column(col, justify="right")
+        for row in w["rows"]:
+            best = row.get("best_classic")
+            cells = [f"{100 * row['capacity']:g}%"]
+            for p in pols:
+                v = row.get(p)
+                bold = p in CLASSIC and best is not None and v == best
+                cells.append(f"[bold]{v:.1f}[/]" if bold else f"{v:.1f}")
+            closed = row.get("closed")
+            cells += [f"{row['belady']:.1f}", f"{row.get('gap', 0):.1f}",
+                      "" if closed is None else f"{100 * closed:.0f}%",
+                      _mark(row.get("target_a")), _mark(row.get("target_b"))]
+            t.add_row(*cells)
+        console.print(t)
+    spec = report["spec"]
+    if not spec.get("tiered"):
+        return
+    d, n, s = spec["tiered"]
+    t = Table(title=f"tiered: dram {100 * d:g}% + nvme {100 * n:g}% + sharedfs {100 * s:g}% "
+              f"of the footprint")
+    for col in ("workload", "policy", "tiered hit %", "infinite %", "within 1 pt",
+                "hits from dram %"):
+        t.add_column(col, justify="right")
+    for name, w in report["workloads"].items():
+        for pol, r in w["tiered"].items():
+            t.add_row(name, pol, f"{r['hit']:.1f}", f"{w['infinite']:.1f}",
+                      _mark(r["within_1pt"]), f"{r['dram_share']:.1f}")
+    console.print(t)
+    console.print(f"{report['date']}, {report['machine']}, {report['wall_s']:.0f} s")
