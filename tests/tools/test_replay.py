@@ -1,0 +1,87 @@
+"""The policy-only replay on a small synthetic workload, policies compared within one run
+(no fixed timing thresholds), and the `kvtier replay` command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtier.tools.cli import app
+from kvtier.tools.segments import compile_workload
+from kvtier.tools.sim_tiered import TieredReplay
+from kvtier.tools.simulate import Replay, SimParams, total_input_tokens
+from kvtier.tools.synthetic import SyntheticSpec, synthetic
+
+ONLINE = ("lru", "s3fifo", "arc", "agentic")
+
+
+@pytest.fixture(scope="module")
+def small():
+    w = synthetic(SyntheticSpec(sessions=16, live=16, turns=12, seed=3))
+    c = compile_workload(w, 16)
+    fp = c.footprint_blocks * w.block_tokens * SimParams().bytes_per_token
+    return c, fp, total_input_tokens(c)
+
+
+def rate(c, policy, cap, total) -> float:
+    return 100.0 * Replay(c, policy, cap).run() / total
+
+
+@pytest.mark.parametrize("frac", [0.05, 0.15])
+def test_agentic_keeps_up_with_lru_and_belady_bounds_every_online_policy(small, frac):
+    c, fp, total = small
+    got = {p: rate(c, p, frac * fp, total) for p in (*ONLINE, "belady")}
+    infinite = rate(c, "lru", float("inf"), total)
+    assert got["agentic"] >= got["lru"] - 0.5
+    assert all(got["belady"] >= got[p] for p in ONLINE), got
+    assert all(got[p] <= infinite + 1e-9 for p in got)
+
+
+def test_tiny_capacity_still_respects_it_and_infinite_is_the_ideal(small):
+    c, fp, total = small
+    rp = Replay(c, "agentic", 0.001 * fp)
+    rp.run()
+    assert rp.used <= rp.capacity and rp.evicted_bytes > 0
+    ideal = rate(c, "belady", float("inf"), total)
+    assert ideal == pytest.approx(rate(c, "lru", float("inf"), total))
+
+
+def test_tiered_replay_with_roomy_lower_tiers_loses_nothing(small):
+    c, fp, total = small
+    infinite = rate(c, "lru", float("inf"), total)
+    for policy in ("lru", "agentic"):
+        rp = TieredReplay(c, policy, (0.05 * fp, 0.2 * fp, 1.0 * fp), admission="always")
+        hit = 100.0 * rp.run() / total
+        assert hit == pytest.approx(infinite, abs=1e-6)
+        assert 0 < rp.dram_hit_tokens <= rp.hit_tokens
+        assert rp.tier_used[0] <= rp.tiers[0].capacity_bytes
+
+
+def test_cli_runs_a_small_simulation_and_writes_json(tmp_path):
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, [
+        "replay", "--simulate", "-w", "synthetic", "--sessions", "8", "--capacities",
+        "0.05,0.2", "--policies", "lru,agentic", "--tiered", "0.05,0.2,1", "--jobs", "1",
+        "--json", str(out)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    rows = report["workloads"]["synthetic"]["rows"]
+    assert [r["capacity"] for r in rows] == [0.05, 0.2]
+    assert all({"lru", "agentic", "belady", "best_classic", "target_b"} <= set(r) for r in rows)
+    assert set(report["workloads"]["synthetic"]["tiered"]) == {"lru", "agentic"}
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["replay"], "not implemented yet"),
+    (["replay", "--engine", "vllm"], "not implemented yet"),
+    (["replay", "--simulate", "--engine", "sim"], "not implemented yet"),
+    (["replay", "--simulate", "-w", "nope"], "unknown workload"),
+    (["replay", "--simulate", "--capacities", "0.1,x"], "--capacities"),
+    (["replay", "--simulate", "--policies", "lru,belady"], "belady"),
+])
+def test_cli_errors_are_one_clear_line(args, msg):
+    from kvtier.store.errors import KVTierError
+    with pytest.raises(KVTierError, match=msg):
+        CliRunner().invoke(app, args, catch_exceptions=False, standalone_mode=False)
