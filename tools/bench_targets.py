@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from kvtier.store.block import HEADER_SIZE, alloc_aligned, frame_size, seal, verify
+from kvtier.store.block import HEADER_SIZE, alloc_aligned, frame_size, parse_header, seal, verify
 from kvtier.store.errors import TierError, TierFullError
 from kvtier.store.keys import Namespace
 from kvtier.tiers import MISS
@@ -31,9 +31,13 @@ class Workload:
         self.ns = Namespace(model="kvtier-bench").fingerprint()
 
     def case(self, block: int, batch: int) -> tuple[list[str], list[memoryview], list[memoryview]]:
+        """Fresh keys, frames sealed in place, and out buffers. Each frame is handed over as
+        its whole page-aligned slot (the frame, then padding), as a connector's aligned
+        staging would: a tier stores the frame its header describes, and O_DIRECT can write
+        the slot without a bounce copy."""
         slot = frame_size(block, SLOT_ALIGN)
         keys = [self.ns + os.urandom(16).hex() for _ in range(batch)]
-        frames = [self.src[i * slot:i * slot + HEADER_SIZE + block] for i in range(batch)]
+        frames = [self.src[i * slot:(i + 1) * slot] for i in range(batch)]
         for key, frame in zip(keys, frames):
             seal(frame, key, block)
         outs = [self.dst[i * slot:(i + 1) * slot] for i in range(batch)]
@@ -106,7 +110,7 @@ class RawTarget:
             keys, frames, _ = work.case(block, batch)
             try:
                 self.raw.put(keys, [self.src + i * slot for i in range(batch)],
-                             [len(f) for f in frames])
+                             [HEADER_SIZE + block] * batch)
             except TierError:
                 break  # full: every page it could use is touched
             held += keys
@@ -115,7 +119,7 @@ class RawTarget:
 
     def round(self, keys, frames, outs) -> tuple[float, float]:
         slot = len(outs[0])
-        sizes = [len(f) for f in frames]
+        sizes = [HEADER_SIZE + parse_header(f).payload_len for f in frames]  # as the tier
         src = [self.src + i * slot for i in range(len(keys))]
         dst = [self.dst + i * slot for i in range(len(keys))]
         t0 = time.perf_counter()
