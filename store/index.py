@@ -160,8 +160,15 @@ class Index:
         """A named database for another module's metadata (e.g. nvme regions)."""
         self._ensure_pid()
         if name not in self._extra:
-            self._extra[name] = self._env.open_db(name.encode(), dupsort=dupsort,
-                                                  create=not self._readonly)
+            if self._readonly:
+                self._extra[name] = self._env.open_db(name.encode(), dupsort=dupsort,
+                                                      create=False)
+                return self._extra[name]
+            # open_db without a txn begins its own write txn while holding the GIL: if
+            # another thread holds the write lock and needs the GIL to commit, both wait
+            # forever. Our own txn's begin releases the GIL while it waits for the lock.
+            with self.write() as txn:
+                self._extra[name] = self._env.open_db(name.encode(), txn=txn, dupsort=dupsort)
         return self._extra[name]
 
     def db(self, name: str):
