@@ -12,7 +12,7 @@ import asyncio
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine
 
 from kvtier.store.errors import TierError
 
@@ -43,6 +43,11 @@ class LoopThread:
     def submit(self, coro: Coroutine[Any, Any, Any]) -> Future:
         """Schedule `coro` on the loop; returns a concurrent future."""
         return asyncio.run_coroutine_threadsafe(coro, self._ensure())
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run the plain function `fn` on one of the loop's worker threads."""
+        self._ensure()
+        return self._executor.submit(fn)
 
     def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """Run `coro` on the loop and wait for its result (re-raises its exception)."""

@@ -12,7 +12,8 @@ tree for the total of all nodes and drops entries of files other nodes removed.
 
 When full: the tier evicts FIFO by index age among this node's own files (oldest first),
 like the nvme tier reclaims its oldest region; other nodes' files are never evicted by this
-node. TierFullError (with `.stored`) is raised only when the filesystem says ENOSPC or a batch
+node. The capacity is a soft limit: processes of one node evicting at the same moment may
+overshoot it by the batches they have in flight. TierFullError (with `.stored`) is raised only when the filesystem says ENOSPC or a batch
 exceeds the whole capacity; the failed block's temp file is removed, so nothing is torn, and
 reads keep working.
 
@@ -47,7 +48,7 @@ from kvtier.tiers.paths import prepare_tier_dir
 
 log = logging.getLogger(__name__)
 IO_THREADS = 16  # concurrent file operations per batch: enough to hide NFS round trips
-_AGE = struct.Struct(">Q")  # FIFO rows: b"A" + created ns + 24-byte key
+_AGE = struct.Struct(">Q")  # FIFO rows: b"A" + created ns + 24-byte key -> frame bytes
 
 
 def _aiofiles():
@@ -73,7 +74,8 @@ class SharedFSTier(Tier):
         self._stop = threading.Event()
         self._closed = False
         self.index.recover()
-        self._sweep = self._loop.submit(self._sweep_async())
+        self._fifo()  # open the FIFO table now, before any concurrent use
+        self._sweep = self._loop.call(self._sweep_logged)
 
     # ---- the contract ------------------------------------------------------------------
 
@@ -86,18 +88,18 @@ class SharedFSTier(Tier):
         headers = [_header_of(k, f) for k, f in zip(keys, frames)]
         results = [False] * len(keys)
         todo = self._to_write(keys, results)
-        need = sum(headers[i].frame_len for i in todo)
-        room = self._make_room(need) if todo else 0
-        fit, acc = [], 0
-        for i in todo:
-            if acc + headers[i].frame_len > room:
+        fit, need = [], 0
+        for i in todo:  # a batch larger than the whole capacity stores what fits
+            if need + headers[i].frame_len > self.capacity_bytes:
                 break
             fit.append(i)
-            acc += headers[i].frame_len
+            need += headers[i].frame_len
+        if fit:
+            self._make_room(need)
         enospc = self._write(keys, frames, headers, fit, results) if fit else False
         if enospc or len(fit) < len(todo):
             why = (f"the filesystem under {self.root} is full (ENOSPC)" if enospc else
-                   f"{need} bytes do not fit its capacity of {self.capacity_bytes}")
+                   f"the batch is larger than its capacity of {self.capacity_bytes} bytes")
             raise full_error(self.name, why, "free space there or raise the tier's capacity",
                              [k for k, ok in zip(keys, results) if ok])
         return results
@@ -166,9 +168,8 @@ class SharedFSTier(Tier):
         """Delete temp files older than `stale_temp_after_s` (left by crashed writers)."""
         return files.sweep_temps(self.root, self.cfg.stale_temp_after_s, self._stop)
 
-    async def _sweep_async(self) -> int:
-        loop = asyncio.get_running_loop()
-        n = await loop.run_in_executor(None, self.sweep_temps)
+    def _sweep_logged(self) -> int:
+        n = self.sweep_temps()
         if n:
             log.info("sharedfs tier %r: removed %d stale temp files", self.name, n)
         return n
@@ -239,32 +240,38 @@ class SharedFSTier(Tier):
 
     # ---- capacity ----------------------------------------------------------------------
 
-    def _make_room(self, need: int) -> int:
-        """Evict this node's oldest files until `need` more bytes fit; return the room left."""
-        used = self.used_bytes()
-        while used + need > self.capacity_bytes:
-            victims = self._pop_oldest(64)
+    def _make_room(self, need: int) -> None:
+        """Evict this node's oldest files until `need` more bytes fit under the capacity.
+
+        Best effort: processes of one node evicting at once may each see the other's victims
+        still counted, so the capacity is a soft limit, overshot at most by batches in flight.
+        """
+        for _ in range(8):
+            deficit = self.used_bytes() + need - self.capacity_bytes
+            if deficit <= 0:
+                return
+            victims = self._pop_oldest(deficit)
             if not victims:
-                break
+                return
             entries = self.index.get(self.name, [k for _, k in victims])
             old = [e.key for (ns, _), e in zip(victims, entries)
                    if e is not None and int(e.created * 1e9) == ns]
             for e in self.index.delete(self.name, old):
                 files.block_path(self.root, e.key).unlink(missing_ok=True)
-            used = self.used_bytes()
-        return self.capacity_bytes - used
 
     def _fifo(self):
         return self.index.table(f"sharedfs.{self.name}")  # outside any transaction: see regions
 
-    def _pop_oldest(self, n: int) -> list[tuple[int, str]]:
+    def _pop_oldest(self, nbytes: int) -> list[tuple[int, str]]:
+        """Take the oldest FIFO rows that add up to `nbytes`: (created ns, key) each."""
         db = self._fifo()
 
         def go(txn):
-            cur, out = txn.cursor(db=db), []
-            while len(out) < n and cur.set_range(b"A") and cur.key()[:1] == b"A":
+            cur, out, got = txn.cursor(db=db), [], 0
+            while got < nbytes and cur.set_range(b"A") and cur.key()[:1] == b"A":
                 k = cur.key()
                 out.append((_AGE.unpack(k[1:9])[0], k[9:].hex()))
+                got += _AGE.unpack(cur.value())[0]
                 cur.delete()
             return out
         return self.index.run_write(go)
@@ -283,7 +290,10 @@ class SharedFSTier(Tier):
         def go(txn):
             for e in entries:
                 k = b"A" + _AGE.pack(int(e.created * 1e9)) + key_bytes(e.key)
-                txn.put(k, b"", db=db) if add else txn.delete(k, db=db)
+                if add:
+                    txn.put(k, _AGE.pack(e.size), db=db)
+                else:
+                    txn.delete(k, db=db)
         self.index.run_write(go)
 
     def _forget_keys(self, keys: Sequence[str]) -> None:
