@@ -34,10 +34,10 @@ log = logging.getLogger(__name__)
 
 def _log_through_vllm() -> None:
     """Send kvtier's log records through vLLM's handlers (same format, same destination)."""
-    ours = logging.getLogger("kvtier")
+    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
     if not ours.handlers:
-        ours.handlers = list(logging.getLogger("vllm").handlers)
-        ours.setLevel(logging.INFO)
+        ours.handlers = list(theirs.handlers)
+        ours.setLevel(theirs.level or logging.INFO)  # VLLM_LOGGING_LEVEL applies to both
         ours.propagate = not ours.handlers
 
 
@@ -80,7 +80,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.worker.start_load_kv(self._meta())
+        idle = getattr(forward_context, "attn_metadata", None) is None  # a step without forward
+        self.worker.start_load_kv(self._meta(), idle)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous and finish before their request is scheduled

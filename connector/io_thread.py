@@ -113,6 +113,18 @@ class IOThread:
             self._done_loads, self._failed_blocks = [], set()
             return done, failed
 
+    def wait_for_load(self, timeout_s: float) -> None:
+        """Block until a request's loads finish or `timeout_s` passes (if any are queued).
+
+        The engine calls this on steps with nothing to compute: instead of spinning through
+        empty steps (and holding the GIL the I/O thread needs), it sleeps until there is
+        something to report.
+        """
+        with self._cv:
+            if self._done_loads or not (self._loads or self._busy):
+                return
+            self._cv.wait_for(lambda: self._done_loads, timeout_s)
+
     def idle(self) -> bool:
         with self._cv:
             return not (self._loads or self._saves or self._busy)
@@ -162,11 +174,14 @@ class IOThread:
         try:
             n = len(job.keys)
             got = self.store.load(job.keys, [buf.frame(i) for i in range(n)])
+            t1 = time.perf_counter()
             ok = next((i for i, g in enumerate(got) if g != self.payload_len), n)
             if ok:
                 self._scatter(buf, job, ok)
         finally:
             self.load_pool.release(buf)
+        log.debug("kvtier: load %s: %d/%d chunks, store %.1f ms, scatter %.1f ms", job.req_id,
+                  ok, n, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
         with self.stats_lock:
             self.stats.add("load_chunks", ok)
             self.stats.add("load_bytes", ok * self.payload_len)
@@ -197,6 +212,7 @@ class IOThread:
             if job.last:
                 self._failed_reqs.discard(job.req_id)
                 self._done_loads.append(job.req_id)
+                self._cv.notify_all()
         if failed:
             with self.stats_lock:
                 self.stats.add("load_error_blocks", len(failed))

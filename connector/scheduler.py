@@ -20,6 +20,7 @@ kvtier instead of being recomputed.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,12 +106,15 @@ class SchedulerSide:
         if st is None or first >= limit:
             return 0, False
         keys = self._keys(st, limit)
+        t0 = time.perf_counter()
         try:
             found = self.store.lookup(keys[first:], st.hint)
         except KVTierError as e:
             log.warning("kvtier: lookup failed, serving request %s without it: %s",
                         request.request_id, e)
             return 0, False
+        log.debug("kvtier: lookup %s: %d of %d chunks in %.2f ms", request.request_id,
+                  found.hit_blocks, limit - first, (time.perf_counter() - t0) * 1e3)
         self.stats.add("lookups")
         self.stats.add("lookup_tokens", limit * self.chunk - num_computed)
         external = (first + found.hit_blocks) * self.chunk - num_computed

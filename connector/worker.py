@@ -30,6 +30,9 @@ from kvtier.store import block
 from kvtier.store.tiered import SessionHint
 
 log = logging.getLogger(__name__)
+# How long a step with nothing to compute may wait for a load to finish. Short, so requests
+# arriving meanwhile are not held up; long enough to stop spinning through empty steps.
+IDLE_WAIT_S = 0.02
 
 
 def _ranks() -> tuple[int, int]:
@@ -58,6 +61,7 @@ class WorkerSide:
         self._finished_seen: set[str] = set()
         self._gathers: dict[str, list[Any]] = {}  # req -> CUDA events of pending gathers
         self._errors: set[int] = set()
+        self._idle_step = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.paged = PagedKV(kv_caches, self.num_blocks, self.shape.block_size)
@@ -76,7 +80,9 @@ class WorkerSide:
 
     # ---- per step -----------------------------------------------------------------------
 
-    def start_load_kv(self, meta: KVTierMetadata) -> None:
+    def start_load_kv(self, meta: KVTierMetadata, idle_step: bool = False) -> None:
+        """Queue the step's loads; `idle_step`: the step has nothing to compute."""
+        self._idle_step = idle_step
         self._held.update(meta.hold)
         if meta.loads:
             self._require_registered()
@@ -122,9 +128,13 @@ class WorkerSide:
         self._finished_seen -= self._finished_seen - self._held  # only held ones matter
         recving: set[str] = set()
         if self.io is not None:
+            if self._idle_step:  # nothing else to do this step: wait for a load, briefly
+                self.io.wait_for_load(IDLE_WAIT_S)
             done, failed = self.io.take_results()
             recving.update(done)
             self._errors |= failed
+            if done:
+                log.debug("kvtier: loads done %s, %d failed blocks", sorted(done), len(failed))
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
