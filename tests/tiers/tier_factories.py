@@ -109,9 +109,9 @@ def _nvme_config(engine: str):
         # 32 MiB regions hold a 16 MiB frame; small test capacities get 4 regions.
         region = min(32 * MiB, parse_size(spec.capacity) // 4 // 4096 * 4096)
         extra = {"region_size": region, **(spec.extra or {})}
+        io = {"engine": engine, "queue_depth": 16, **extra.pop("io", {})}
         return NvmeTierConfig(kind="nvme", name="nvme", path=Path(spec.root) / "nvme",
-                              capacity=spec.capacity, io={"engine": engine,
-                                                          "queue_depth": 16}, **extra)
+                              capacity=spec.capacity, io=io, **extra)
     return make
 
 

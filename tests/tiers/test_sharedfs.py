@@ -1,0 +1,187 @@
+"""What only the sharedfs tier has: the file layout and modes, several nodes on one directory,
+symlinks refused, stale temp files swept, per-node accounting and FIFO eviction, rescans.
+The contract itself is test_contract.py."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvtier.store import block
+from kvtier.store.errors import TierError
+from kvtier.tiers import MISS
+from kvtier.tiers.sharedfs_files import QUARANTINE, block_path
+from tier_factories import (KiB, MiB, Spec, check_hit, close, finish_worker, frame_for,
+                            keys_for, open_spec, out_for, start_worker)
+
+SIZE = 64 * KiB
+
+
+@pytest.fixture
+def spec(tmp_path) -> Spec:
+    return Spec("sharedfs", str(tmp_path))
+
+
+@pytest.fixture
+def tier(spec):
+    t = open_spec(spec)
+    yield t
+    close(t)
+
+
+def put(tier, keys, size=SIZE):
+    return tier.put(keys, [frame_for(k, size) for k in keys])
+
+
+def get(tier, keys, size=SIZE):
+    outs = [out_for(size) for _ in keys]
+    return tier.get(keys, outs), outs
+
+
+def files_under(root: Path, pattern: str = "*") -> list[Path]:
+    return [p for p in root.rglob(pattern) if p.is_file() or p.is_symlink()]
+
+
+def test_one_private_file_per_block_and_no_temp_left(tier):
+    keys = keys_for(0, 5)
+    put(tier, keys)
+    for k in keys:
+        p = block_path(tier.root, k)
+        assert p.parent.parent.parent == tier.root and p.name == k + ".kvb"
+        assert p.parent.name == k[18:20] and p.parent.parent.name == k[16:18]
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600
+        assert stat.S_IMODE(p.parent.stat().st_mode) == 0o700
+        assert p.stat().st_size == block.HEADER_SIZE + SIZE
+    assert not files_under(tier.root, "*.tmp")
+
+
+def test_file_mode_is_exact_whatever_the_umask(spec):
+    old = os.umask(0o077)
+    try:
+        tier = open_spec(replace(spec, extra={"file_mode": 0o640, "fsync": False}))
+        k = keys_for(0, 1)
+        put(tier, k)
+        assert stat.S_IMODE(block_path(tier.root, k[0]).stat().st_mode) == 0o640
+        close(tier)
+    finally:
+        os.umask(old)
+
+
+def test_nodes_read_each_others_blocks_and_account_only_their_own(spec):
+    a = open_spec(spec)
+    b = open_spec(replace(spec, node_id="node-b"))
+    try:
+        keys = keys_for(0, 4)
+        put(a, keys)
+        res, outs = get(b, keys)
+        assert all(check_hit(k, o, r, SIZE) for k, o, r in zip(keys, outs, res))
+        assert a.used_bytes() == 4 * (block.HEADER_SIZE + SIZE) and b.used_bytes() == 0
+        assert put(b, keys) == [True] * 4 and b.used_bytes() == 0  # already there
+        assert b.delete(keys[:1]) == 1  # any node may remove a block
+        assert get(a, keys[:1])[0] == [MISS] and a.counters()["corrupt"] == 0
+        assert a.used_bytes() == 3 * (block.HEADER_SIZE + SIZE)  # a dropped its entry
+    finally:
+        close(a)
+        close(b)
+
+
+def test_nodes_in_processes_write_the_same_keys_at_once(spec, tier):
+    procs = [start_worker(replace(spec, node_id=f"node-{n}"), "put", start=0, n=30, size=SIZE,
+                          batch=5) for n in range(3)]
+    assert [finish_worker(p)[-1]["stored"] for p in procs] == [30, 30, 30]
+    keys = keys_for(0, 30)
+    res, outs = get(tier, keys)
+    assert all(check_hit(k, o, r, SIZE) for k, o, r in zip(keys, outs, res))
+    assert not files_under(tier.root, "*.tmp")
+    assert tier.rescan(prune=False) == (30, 30 * (block.HEADER_SIZE + SIZE))
+
+
+def test_symlink_in_place_of_a_block_is_refused_and_moved_aside(tier, tmp_path):
+    k = keys_for(0, 1)[0]
+    put(tier, [k])
+    target = tmp_path / "elsewhere.kvb"
+    target.write_bytes(bytes(frame_for(k, SIZE)[:block.HEADER_SIZE + SIZE]))
+    p = block_path(tier.root, k)
+    p.unlink()
+    p.symlink_to(target)
+    assert tier.contains([k]) == [False]
+    assert get(tier, [k])[0] == [MISS]
+    assert tier.counters()["corrupt"] == 1
+    assert not p.is_symlink() and target.exists()
+    assert [q.is_symlink() for q in (tier.root / QUARANTINE).iterdir()] == [True]
+
+
+def test_symlinked_fanout_directory_is_refused(tier, tmp_path):
+    k = keys_for(0, 1)[0]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    block_path(tier.root, k).parent.parent.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(TierError, match="symlink"):
+        put(tier, [k])
+    assert not any(outside.rglob("*"))
+
+
+def test_trailing_bytes_after_the_frame_are_corruption(tier):
+    k = keys_for(0, 1)[0]
+    put(tier, [k])
+    p = block_path(tier.root, k)
+    p.write_bytes(p.read_bytes() + b"junk")
+    outs = [out_for(SIZE + 8)]
+    assert tier.get([k], outs) == [MISS] and tier.counters()["corrupt"] == 1
+    assert len(list((tier.root / QUARANTINE).iterdir())) == 1
+
+
+def test_stale_temp_files_are_swept_at_open_fresh_ones_kept(spec):
+    close(open_spec(spec))
+    k = keys_for(0, 1)[0]
+    d = block_path(Path(spec.root) / "shared", k).parent
+    d.mkdir(parents=True)
+    stale, fresh = d / f".{k}.kvb.node-x.1.ab.tmp", d / f".{k}.kvb.node-x.2.cd.tmp"
+    for p in (stale, fresh):
+        p.write_bytes(b"partial")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    tier = open_spec(spec)
+    try:
+        assert tier._sweep.result(timeout=30) == 1
+        assert not stale.exists() and fresh.exists()
+        assert tier.contains([k]) == [False]  # a temp is never a block
+    finally:
+        close(tier)
+
+
+def test_rescan_counts_every_node_and_prunes_vanished_files(spec):
+    a = open_spec(spec)
+    b = open_spec(replace(spec, node_id="node-b"))
+    try:
+        put(a, keys_for(0, 3))
+        put(b, keys_for(10, 2))
+        frame = block.HEADER_SIZE + SIZE
+        assert a.rescan() == (5, 5 * frame)
+        block_path(a.root, keys_for(0, 1)[0]).unlink()  # removed behind a's back
+        assert a.used_bytes() == 3 * frame
+        assert a.rescan() == (4, 4 * frame) and a.used_bytes() == 2 * frame
+    finally:
+        close(a)
+        close(b)
+
+
+def test_full_node_evicts_only_its_own_oldest_files(spec):
+    other = open_spec(replace(spec, node_id="node-b"))
+    mine = open_spec(replace(spec, capacity="1MiB"))
+    try:
+        theirs = keys_for(1000, 4)
+        put(other, theirs)
+        for b in range(0, 40, 4):
+            assert put(mine, keys_for(b, 4)) == [True] * 4
+        assert mine.used_bytes() <= MiB
+        assert other.contains(theirs) == [True] * 4
+        assert mine.contains(keys_for(0, 4)) == [False] * 4
+        assert mine.contains(keys_for(36, 4)) == [True] * 4
+    finally:
+        close(mine)
+        close(other)
