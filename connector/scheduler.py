@@ -228,6 +228,8 @@ class SchedulerSide:
                 log.warning("kvtier: session bookkeeping failed for %s: %s",
                             request.request_id, e)
         if hold:
+            log.debug("kvtier: %s ended with chunks left to save; holding its blocks",
+                      request.request_id)
             self._hold.append(request.request_id)
         return hold, {"kvtier": {"hit_tokens": dict(st.tier_tokens),
                                  "saved_chunks": st.saved_chunks}}

@@ -8,7 +8,8 @@
   `kv_transfer_params` the connector returned, and the wall time. By default the engine
   runs in one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor): scheduler and
   worker in one address space, which starts in seconds instead of a minute on small CPUs.
-  `num_blocks` overrides the KV cache size (to force preemption); `dtype="float32"` keeps
+  `num_blocks` overrides the KV cache size (to force preemption); `engine_args` go to
+  `LLM(...)` as they are (e.g. `async_scheduling`); `dtype="float32"` keeps
   greedy outputs comparable across batch shapes (a random model's logits have near-ties
   that bf16 rounding flips: vLLM alone gives different tokens batched and unbatched).
 - `kvtier_transfer_config(policy)`: the `--kv-transfer-config` for the kvtier connector;
@@ -108,11 +109,12 @@ class Engine:
                  kv_transfer_config: dict | None = None, block_size: int = 32,
                  max_model_len: int = 20480, kv_cache_gib: int = 1,
                  num_blocks: int | None = None, dtype: str = "bfloat16", inproc: bool = True,
-                 env: dict[str, str] | None = None, startup_timeout_s: float = 600):
+                 env: dict[str, str] | None = None, engine_args: dict | None = None,
+                 startup_timeout_s: float = 600):
         self.log_path = Path(log_path)
         spec = {"model": str(model), "kv_transfer_config": kv_transfer_config,
                 "block_size": block_size, "max_model_len": max_model_len, "inproc": inproc,
-                "num_blocks": num_blocks, "dtype": dtype}
+                "num_blocks": num_blocks, "dtype": dtype, "engine_args": engine_args or {}}
         child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
                      "PYTHONUNBUFFERED": "1", **(env or {})}
         if inproc:
@@ -227,11 +229,14 @@ def _serve(spec: dict) -> None:
         kwargs["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
-    llm = LLM(**kwargs)
+    llm = LLM(**{**kwargs, **spec.get("engine_args", {})})
     _reply({"startup_s": time.perf_counter() - t0})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
+            # Shut the engine down here, so connectors finish their queued work (saves)
+            # before the process exits.
+            llm.llm_engine.engine_core.shutdown()
             _reply({"bye": True})
             return
         if cmd["op"] == "reset_prefix_cache":

@@ -1,0 +1,223 @@
+"""Both connector sides driven step by step, without an engine: a real store (sharedfs tier,
+LMDB index), a real paged cache in vLLM's CPU layout, and vLLM's data objects written as
+plain records (requests, allocated blocks, scheduler outputs: vLLM only reads their fields).
+
+This reaches what a tiny engine rarely does on its own: the final save at request end that
+must hold the request's blocks, loads that start inside a local hit, a corrupt chunk in the
+middle of a load, a request aborted while its load is queued.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
+
+from kvtier.connector.config import ConnectorConfig  # noqa: E402
+from kvtier.connector.scheduler import SchedulerSide  # noqa: E402
+from kvtier.connector.worker import WorkerSide  # noqa: E402
+from kvtier.connector.stats import KVTierPromMetrics  # noqa: E402
+from kvtier.store.config import policy_from_dict  # noqa: E402
+from kvtier.store.keys import block_keys  # noqa: E402
+from kvtier.tools.vllm_engine import random_prompt  # noqa: E402
+
+from engine_util import files_of  # noqa: E402
+
+BS, CHUNK, NB, L, H, D = 32, 64, 64, 2, 2, 64
+M = CHUNK // BS
+
+
+@pytest.fixture
+def sides(tmp_path):
+    policy = policy_from_dict({
+        "namespace": {"model": "unit"}, "chunk_tokens": CHUNK,
+        "index": {"path": str(tmp_path / "index"), "map_size": "32MiB"},
+        "tiers": [{"name": "shared", "kind": "sharedfs", "path": str(tmp_path / "shared"),
+                   "capacity": "64MiB"}]})
+    spec = vllm_kv.FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D,
+                                     dtype=torch.bfloat16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+    layout = vllm_kv.KVCacheLayout.LBHNC
+    layer_stride, block_stride, *_ = vllm_kv.compute_layout_strides(spec, NB, L, layout)
+    tensor = vllm_kv.KVCacheTensor(size=L * NB * spec.page_size_bytes, layers=names,
+                                   layer_stride=layer_stride, block_stride=block_stride)
+    kvc = vllm_kv.KVCacheConfig(num_blocks=NB, kv_cache_tensors=[tensor],
+                                kv_cache_groups=[vllm_kv.KVCacheGroupSpec(names, spec)])
+    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    caches = dict(zip(names, vllm_kv.create_kv_cache_views(raw, spec, NB, layout, tensor)))
+    for view in caches.values():
+        view.copy_(torch.randn(view.shape).to(torch.bfloat16))
+    vconf = SimpleNamespace(model_config=SimpleNamespace(model="/m"),
+                            parallel_config=SimpleNamespace(tensor_parallel_size=1,
+                                                            pipeline_parallel_size=1))
+    cfg = ConnectorConfig(policy, "unit", 1 << 20, 2)
+    sched, worker = SchedulerSide(vconf, kvc, cfg), WorkerSide(vconf, kvc, cfg)
+    worker.register_kv_caches(caches)
+    yield SimpleNamespace(sched=sched, worker=worker, caches=caches, root=tmp_path)
+    worker.shutdown()
+    sched.shutdown()
+
+
+def request(req_id: str, tokens: list[int], computed: int = 0, **kw):
+    return SimpleNamespace(request_id=req_id, all_token_ids=list(tokens),
+                           num_tokens=len(tokens), num_computed_tokens=computed,
+                           prompt_embeds=None, lora_request=None, cache_salt=None,
+                           mm_features=[], kv_transfer_params=kw.get("params"))
+
+
+def blocks(ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def step(sched, new=(), scheduled=None):
+    """A scheduler output with `new` = [(req_id, block_ids, num_computed_tokens)]."""
+    out = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(list(b),),
+                                            num_computed_tokens=c) for r, b, c in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                              new_block_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens=scheduled or {})
+    return sched.build_connector_meta(out)
+
+
+def run_worker(worker, meta, finished=frozenset(), idle=False):
+    worker.start_load_kv(meta, idle)
+    worker.wait_for_save(meta)
+    deadline = time.monotonic() + 10
+    while not worker.io.idle() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return worker.get_finished(set(finished))
+
+
+def blocks_of(caches, ids):
+    return [v[list(ids)].clone() for v in caches.values()]
+
+
+def save_prompt(s, req_id, tokens, ids):
+    r = request(req_id, tokens)
+    assert s.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.sched.update_state_after_alloc(r, blocks(ids), 0)
+    meta = step(s.sched, [(req_id, ids, 0)], {req_id: len(tokens)})
+    assert [len(j.keys) for j in meta.saves] == [len(tokens) // CHUNK]
+    run_worker(s.worker, meta)
+    r.num_computed_tokens = len(tokens)
+    assert s.sched.request_finished(r, ids)[0] is False  # all saved in-step: no hold
+    return r
+
+
+def load_into(s, req_id, tokens, ids, local=0):
+    r = request(req_id, tokens)
+    n, is_async = s.sched.get_num_new_matched_tokens(r, local)
+    assert is_async and n > 0
+    s.sched.update_state_after_alloc(r, blocks(ids), n)
+    meta = step(s.sched)
+    sending, recving = run_worker(s.worker, meta)
+    while not recving:
+        sending, recving = s.worker.get_finished(set())
+    assert recving == {req_id}
+    return r, n
+
+
+def test_save_then_load_into_other_blocks(sides):
+    tokens = random_prompt(1, 300)
+    src, dst = list(range(0, 10)), list(range(20, 30))
+    save_prompt(sides, "r1", tokens, src)
+    _, n = load_into(sides, "r2", tokens + [5], dst)
+    assert n == 4 * CHUNK  # the whole chunks; 300 tokens hold 4 (and leave one to compute)
+    assert sides.worker.get_block_ids_with_load_errors() == set()
+    for a, b in zip(blocks_of(sides.caches, src[:8]), blocks_of(sides.caches, dst[:8])):
+        assert torch.equal(a, b)
+    assert not any(torch.equal(a, b) for a, b in zip(blocks_of(sides.caches, src[8:9]),
+                                                      blocks_of(sides.caches, dst[8:9])))
+    worker_stats, sched_stats = sides.worker.get_stats(), sides.sched.get_stats()
+    assert worker_stats.data["counters"]["load_chunks"] == 4
+    assert worker_stats.data["counters"]["save_chunks"] == 4
+    assert worker_stats.data["counters"]["load_bytes"] == 4 * M * L * H * BS * 2 * D * 2
+    assert sched_stats.data["counters"]["hit_tokens:shared"] == 4 * CHUNK
+    merged = worker_stats.aggregate(sched_stats).reduce()
+    assert merged["load_chunks"] == 4 and merged["load_ms_avg"] > 0
+    assert sides.worker.get_stats() is None  # taken: the next interval starts empty
+
+
+def test_stats_reach_prometheus():
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    reg = CollectorRegistry()
+    types = {cls: partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+    prom = KVTierPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"],
+                             {0: ["0"]})
+    prom.observe({"counters": {"hit_tokens:dram": 512, "load_bytes": 1 << 20},
+                  "ms": {"load": [4.0, 6.0], "save": []}})
+    assert reg.get_sample_value("kvtier_hit_tokens_total",
+                                {"engine": "0", "tier": "dram"}) == 512
+    assert reg.get_sample_value("kvtier_load_bytes_total", {"engine": "0"}) == 1 << 20
+    assert reg.get_sample_value("kvtier_load_seconds_count", {"engine": "0"}) == 2
+
+
+def test_load_starting_inside_a_local_hit_keeps_the_local_blocks(sides):
+    tokens = random_prompt(2, 300)
+    save_prompt(sides, "r1", tokens, list(range(0, 10)))
+    dst = list(range(30, 40))
+    before = blocks_of(sides.caches, dst[2:3])
+    _, n = load_into(sides, "r2", tokens, dst, local=3 * BS)  # 3 blocks held locally
+    assert n == 4 * CHUNK - 3 * BS
+    assert all(torch.equal(a, b) for a, b in zip(before, blocks_of(sides.caches, dst[2:3])))
+    for a, b in zip(blocks_of(sides.caches, [3, 4, 5, 6, 7]),
+                    blocks_of(sides.caches, dst[3:8])):
+        assert torch.equal(a, b)
+
+
+def test_corrupt_chunk_fails_its_blocks_and_every_later_one(sides):
+    tokens = random_prompt(3, 300)
+    save_prompt(sides, "r1", tokens, list(range(0, 10)))
+    keys = block_keys(sides.sched.ns, tokens, b"")
+    path = files_of(sides.root / "shared", [keys[2]])[0]
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 1
+    path.write_bytes(bytes(data))
+    dst = list(range(40, 50))
+    load_into(sides, "r2", tokens, dst)
+    assert sides.worker.get_block_ids_with_load_errors() == set(dst[4:8])
+    for a, b in zip(blocks_of(sides.caches, [0, 1, 2, 3]), blocks_of(sides.caches, dst[:4])):
+        assert torch.equal(a, b)
+
+
+def test_final_save_at_request_end_holds_the_blocks_until_gathered(sides):
+    tokens = random_prompt(4, 140)
+    ids = list(range(0, 5))
+    r = request("r1", tokens[:127])  # async scheduling: token 127's id not known yet
+    sides.sched.get_num_new_matched_tokens(r, 0)
+    sides.sched.update_state_after_alloc(r, blocks(ids), 0)
+    meta = step(sides.sched, [("r1", ids, 0)], {"r1": 130})
+    assert [len(j.keys) for j in meta.saves] == [1]  # chunk 1 is computed, not yet keyable
+    run_worker(sides.worker, meta)
+    r.all_token_ids, r.num_tokens, r.num_computed_tokens = tokens[:131], 131, 130
+    hold, params = sides.sched.request_finished(r, ids)
+    assert hold and params == {"kvtier": {"hit_tokens": {}, "saved_chunks": 2}}
+    meta = step(sides.sched)
+    assert meta.hold == ["r1"] and [len(j.keys) for j in meta.saves] == [1]
+    sending, _ = run_worker(sides.worker, meta, finished={"r1"})
+    assert sending == {"r1"}  # released once the chunk is out of the blocks
+    assert run_worker(sides.worker, step(sides.sched))[0] is None  # reported once
+
+
+def test_request_aborted_while_loading_saves_nothing_and_holds_nothing(sides):
+    tokens = random_prompt(5, 300)
+    save_prompt(sides, "r1", tokens, list(range(0, 10)))
+    r = request("r2", tokens)
+    n, _ = sides.sched.get_num_new_matched_tokens(r, 0)
+    sides.sched.update_state_after_alloc(r, blocks(range(50, 60)), n)
+    r.num_computed_tokens = n  # vLLM sets it at allocation, before the load lands
+    assert sides.sched.request_finished(r, list(range(50, 60))) == \
+        (False, {"kvtier": {"hit_tokens": {"shared": n}, "saved_chunks": 0}})
+    meta = step(sides.sched)
+    assert len(meta.loads) == 1 and not meta.saves and not meta.hold
+    _, recving = run_worker(sides.worker, meta)
+    while not recving:  # the load still completes and is reported (vLLM frees then)
+        _, recving = sides.worker.get_finished(set())
+    assert recving == {"r2"}
