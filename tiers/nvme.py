@@ -41,7 +41,7 @@ from kvtier.store.config import NvmeTierConfig
 from kvtier.store.errors import ConfigError, CorruptBlockError, TierError, TierUnavailableError
 from kvtier.store.index_record import PENDING, READY, Entry, owner_alive
 from kvtier.tiers import TierContext
-from kvtier.tiers.aligned import BouncePool, round_up, usable_direct
+from kvtier.tiers.buffers import BouncePool, checked_header, round_up
 from kvtier.tiers.base import MISS, Tier, full_error
 from kvtier.tiers.io_engines import IOOp, make_engine
 from kvtier.tiers.paths import prepare_tier_dir
@@ -78,7 +78,7 @@ class NvmeTier(Tier):
         self._closed = False
         self.index.recover()
         self.regions.recover()
-        self._cleanup()
+        self.regions.drop_reclaimed()
 
     def _open_data(self) -> int:
         path = self.path / DATA_FILE
@@ -110,21 +110,23 @@ class NvmeTier(Tier):
 
     def put(self, keys: Sequence[str], frames: Sequence[memoryview]) -> list[bool]:
         self._check_open()
-        headers = [_header_of(k, f) for k, f in zip(keys, frames)]
+        headers = [checked_header(k, f) for k, f in zip(keys, frames)]
         for h in headers:
             if round_up(h.frame_len) > self.region_bytes:
                 raise ValueError(f"a {h.frame_len}-byte frame does not fit a region of "
                                  f"{self.region_bytes} bytes; raise region_size of tier "
                                  f"{self.name!r}")
         results = [False] * len(keys)
-        todo = self._to_write(keys, results)
+        todo, dups = self._to_write(keys, results)
         reclaimed: list[tuple[int, int]] = []
         full = None
         if todo:
             try:
                 full = self._write_new(keys, frames, headers, todo, results, reclaimed)
             finally:
-                self._cleanup(reclaimed)
+                self.regions.drop_reclaimed(reclaimed)
+        for dup, first in dups.items():
+            results[dup] = results[first]
         if full is not None:
             raise full_error(self.name, full, "free space on the disk or lower its capacity",
                              [k for k, ok in zip(keys, results) if ok])
@@ -136,13 +138,18 @@ class NvmeTier(Tier):
         gens = self._gens(entries)
         results = [MISS] * len(keys)
         live = [i for i, e in enumerate(entries) if self._live(e, gens)]
-        bufs = {i: self._read_buf(outs[i], round_up(entries[i].size)) for i in live}
+        for i in live:
+            if len(outs[i]) < entries[i].size:
+                raise ValueError(f"out buffer of {len(outs[i])} bytes is too small for block "
+                                 f"{keys[i]} ({entries[i].size} bytes); size buffers by the "
+                                 "namespace's frame")
+        bufs = {i: self._bounce.for_read(outs[i], round_up(entries[i].size)) for i in live}
         try:
             ops = [IOOp(self._fd, bufs[i][0], self._offset(entries[i]), False) for i in live]
             for i, res in zip(live, self._engine.run(ops)):
                 results[i] = self._finish_read(entries[i], bufs[i], outs[i], res)
         finally:
-            self._give_back(bufs.values())
+            self._bounce.give_back(bufs.values())
         hits = [r for r in results if r != MISS]
         self.stats.add(hits=len(hits), misses=len(keys) - len(hits),
                        bytes_out=sum(hits) + block.HEADER_SIZE * len(hits))
@@ -168,22 +175,24 @@ class NvmeTier(Tier):
 
     # ---- writes ------------------------------------------------------------------------
 
-    def _to_write(self, keys: Sequence[str], results: list[bool]) -> list[int]:
-        """Indexes of keys to write; marks keys already stored (or being stored) True."""
+    def _to_write(self, keys: Sequence[str], results: list[bool]):
+        """(indexes to write, {duplicate index: first index}); marks stored keys True."""
         entries = self.index.get(self.name, keys, ready_only=False)
         gens = self._gens(entries)
-        todo, seen, stale = [], set(), []
+        todo, first, dups, stale = [], {}, {}, []
         for i, (key, e) in enumerate(zip(keys, entries)):
-            if key in seen or self._live(e, gens) or _live_pending(e, gens):
+            if key in first:
+                dups[i] = first[key]
+            elif self._live(e, gens) or _live_pending(e, gens):
                 results[i] = True
-                continue
-            if e is not None:
-                stale.append(key)  # a reclaimed generation or a dead writer's reservation
-            seen.add(key)
-            todo.append(i)
+            else:
+                if e is not None:
+                    stale.append(key)  # a reclaimed generation or a dead writer's reservation
+                first[key] = i
+                todo.append(i)
         if stale:
             self.index.delete(self.name, stale)
-        return todo
+        return todo, dups
 
     def _write_new(self, keys, frames, headers, todo, results, reclaimed) -> str | None:
         """Allocate, reserve, write and commit `todo`; return why the tier is full, if it is."""
@@ -214,13 +223,13 @@ class NvmeTier(Tier):
     def _write_reserved(self, idx, entries, sizes, keys, frames, results) -> str | None:
         if not idx:
             return None
-        bufs = [self._write_buf(frames[i], e.size, n) for i, e, n in zip(idx, entries, sizes)]
+        bufs = [self._bounce.for_write(frames[i], e.size, n) for i, e, n in zip(idx, entries, sizes)]
         try:
             ops = [IOOp(self._fd, b, self._offset(e), True)
                    for (b, _), e in zip(bufs, entries)]
             res = self._engine.run(ops)
         finally:
-            self._give_back(bufs)
+            self._bounce.give_back(bufs)
         done = [k for k, r, n in zip(idx, res, sizes) if r == n]
         failed = [keys[k] for k, r, n in zip(idx, res, sizes) if r != n]
         enospc = any(r == -errno.ENOSPC or 0 <= r < n for r, n in zip(res, sizes))
@@ -237,30 +246,7 @@ class NvmeTier(Tier):
                         os.strerror(-min(res)))
         return f"the disk under {self.path} is full (ENOSPC)" if enospc else None
 
-    def _write_buf(self, frame: memoryview, frame_len: int, nbytes: int):
-        frame = memoryview(frame)
-        if usable_direct(frame, nbytes):
-            return frame[:nbytes], None
-        buf = self._bounce.take(nbytes)
-        buf[:frame_len] = frame[:frame_len]
-        buf[frame_len:nbytes] = bytes(nbytes - frame_len)  # no stale bytes of other blocks
-        return buf[:nbytes], buf
-
     # ---- reads -------------------------------------------------------------------------
-
-    def _read_buf(self, out: memoryview, nbytes: int):
-        out = memoryview(out)
-        if usable_direct(out, nbytes):
-            return out[:nbytes], None
-        buf = self._bounce.take(nbytes)
-        return buf[:nbytes], buf
-
-    def _give_back(self, bufs) -> None:
-        """Return the bounce buffers of (view, bounce or None) pairs to the pool."""
-        for view, bounce in bufs:
-            if bounce is not None:
-                view.release()
-                self._bounce.give(bounce)
 
     def _finish_read(self, e: Entry, buf_info, out: memoryview, res: int) -> int:
         buf, bounce = buf_info
@@ -306,31 +292,9 @@ class NvmeTier(Tier):
         slot, gen = unpack_loc(e.loc_a)
         return gens.get(slot) == gen
 
-    def _cleanup(self, reclaimed: Sequence[tuple[int, int]] | None = None) -> None:
-        """Drop index entries of reclaimed region generations (all pending ones if None)."""
-        if reclaimed is not None and not reclaimed:
-            return
-        for slot, gen, blocks in self.regions.pending_cleanups():
-            if reclaimed is not None and (slot, gen) not in reclaimed:
-                continue
-            keys = [k for _, k in blocks]
-            loc_a, offs = pack_loc(slot, gen), dict((k, off) for off, k in blocks)
-            old = [e.key for e in self.index.get(self.name, keys, ready_only=False)
-                   if e is not None and e.loc_a == loc_a and e.loc_b == offs[e.key]]
-            if old:
-                self.index.delete(self.name, old)
-            self.regions.finish_cleanup(slot, gen)
-
     def _check_open(self) -> None:
         if self._closed:
             raise TierError(f"nvme tier {self.name!r} is closed; open it again")
-
-
-def _header_of(key: str, frame: memoryview) -> block.Header:
-    h = block.parse_header(frame)
-    if h.key != key:
-        raise ValueError(f"frame is sealed for {h.key}, not for {key}")
-    return h
 
 
 def _live_pending(e: Entry | None, gens: dict[int, int]) -> bool:

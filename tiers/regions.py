@@ -27,54 +27,16 @@ aborts. Open regions of dead writers are parked and adopted by the next writer t
 from __future__ import annotations
 
 import os
-import struct
 import time
-from dataclasses import dataclass, field
+from typing import Sequence
 
 from kvtier.store.index import Index
 from kvtier.store.index_record import PENDING, decode_entry, owner_alive
 from kvtier.store.keys import key_bytes
+from kvtier.tiers.region_rows import (BLK, OPEN, RETIRED, SEALED, SEQ, SLOT, Allocation,
+                                      Region, orphaned, pack_loc, unpack_loc)
 
-OPEN, SEALED, RETIRED = 1, 2, 3
-_REC = struct.Struct("<BxxxIdIxxxxQQ")  # state, pid, opened_at, gen, write offset, seal seq
-_SLOT = struct.Struct(">I")
-_SEQ = struct.Struct(">Q")
-_BLK = struct.Struct(">IIQ")  # slot, gen, offset (big endian: cursor order = region order)
-
-
-@dataclass
-class Region:
-    slot: int
-    state: int = OPEN
-    pid: int = 0
-    opened_at: float = 0.0
-    gen: int = 1
-    off: int = 0
-    seq: int = 0
-
-    def encode(self) -> bytes:
-        return _REC.pack(self.state, self.pid, self.opened_at, self.gen, self.off, self.seq)
-
-    @classmethod
-    def decode(cls, slot: int, raw: bytes) -> "Region":
-        return cls(slot, *_REC.unpack(raw))
-
-
-@dataclass
-class Allocation:
-    """Where each frame of a batch goes, and which old generations were reclaimed for it."""
-
-    locs: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, gen, offset)
-    reclaimed: list[tuple[int, int]] = field(default_factory=list)  # (slot, old gen)
-
-
-def pack_loc(slot: int, gen: int) -> int:
-    return gen << 32 | slot
-
-
-def unpack_loc(loc_a: int) -> tuple[int, int]:
-    return loc_a & 0xFFFFFFFF, loc_a >> 32
-
+__all__ = ["Allocation", "NoRegionError", "RegionTable", "pack_loc", "unpack_loc"]
 
 class NoRegionError(Exception):
     """Every region is open by a live writer or has writes in flight."""
@@ -122,7 +84,7 @@ class RegionTable:
                 elif r.slot < self.n_regions and r.state == RETIRED:
                     r.state = OPEN
                     self._park(txn, r)
-                elif r.state == OPEN and r.pid and not owner_alive(r.pid, r.opened_at):
+                elif orphaned(r):
                     self._park(txn, r)
         self.index.run_write(go)
 
@@ -133,7 +95,7 @@ class RegionTable:
             for k, raw in cur:
                 if k[:1] != b"S":
                     break
-                out.append(Region.decode(_SLOT.unpack(k[1:])[0], raw))
+                out.append(Region.decode(SLOT.unpack(k[1:])[0], raw))
         return out
 
     def park_mine(self) -> None:
@@ -143,8 +105,8 @@ class RegionTable:
             return
 
         def go(txn):
-            r = self._get(txn, self._mine[0])
-            if r.state == OPEN and r.pid == os.getpid() and r.opened_at == self._mine[1]:
+            r = self._my_region(txn)
+            if r is not None:
                 self._park(txn, r)
         self.index.run_write(go)
         self._mine = None
@@ -161,12 +123,12 @@ class RegionTable:
             out = Allocation()
             r = self._my_region(txn)
             for size, key in zip(sizes, keys):
-                if r is None or r.off + size > self.region_bytes:
+                while r is None or r.off + size > self.region_bytes:
                     if r is not None:
-                        self._seal(txn, r)
+                        self._seal(txn, r)  # an adopted region may be too full as well
                     r = self._take(txn, out)
                 out.locs.append((r.slot, r.gen, r.off))
-                txn.put(b"B" + _BLK.pack(r.slot, r.gen, r.off), key_bytes(key), db=self._db)
+                txn.put(b"B" + BLK.pack(r.slot, r.gen, r.off), key_bytes(key), db=self._db)
                 r.off += size
             if r is not None:
                 self._put(txn, r)
@@ -201,7 +163,7 @@ class RegionTable:
         while cur.set_range(b"P") and cur.key()[:1] == b"P":
             k = cur.key()
             txn.delete(k, db=self._db)
-            r = self._get(txn, _SLOT.unpack(k[1:])[0])
+            r = self._get(txn, SLOT.unpack(k[1:])[0])
             if r.state == OPEN and r.pid == 0 and r.off < self.region_bytes:
                 return r
         return None
@@ -221,12 +183,12 @@ class RegionTable:
         for k, raw in cur:
             if k[:1] != b"Q":
                 return None
-            r = self._get(txn, _SLOT.unpack(raw)[0])
+            r = self._get(txn, SLOT.unpack(raw)[0])
             if self._has_live_writes(txn, r):
                 continue  # a writer is still filling it: try the next oldest
             txn.delete(k, db=self._db)
             out.reclaimed.append((r.slot, r.gen))
-            txn.put(b"C" + _SLOT.pack(r.slot) + _SLOT.pack(r.gen), b"", db=self._db)
+            txn.put(b"C" + SLOT.pack(r.slot) + SLOT.pack(r.gen), b"", db=self._db)
             r.gen, r.off, r.seq = r.gen + 1, 0, 0
             return r
         return None
@@ -245,27 +207,27 @@ class RegionTable:
 
     def _park_dead(self, txn) -> None:
         for r in self._regions(txn):
-            if r.state == OPEN and r.pid and not owner_alive(r.pid, r.opened_at):
+            if orphaned(r):
                 self._park(txn, r)
 
     def _park(self, txn, r: Region) -> None:
         r.pid = 0
         self._put(txn, r)
-        txn.put(b"P" + _SLOT.pack(r.slot), b"", db=self._db)
+        txn.put(b"P" + SLOT.pack(r.slot), b"", db=self._db)
 
     def _seal(self, txn, r: Region) -> None:
         raw = txn.get(b"Mseq", db=self._db)
         r.seq = int(raw) + 1 if raw else 1
         txn.put(b"Mseq", str(r.seq).encode(), db=self._db)
         r.state, r.pid = SEALED, 0
-        txn.put(b"Q" + _SEQ.pack(r.seq), _SLOT.pack(r.slot), db=self._db)
+        txn.put(b"Q" + SEQ.pack(r.seq), SLOT.pack(r.slot), db=self._db)
         self._put(txn, r)
         self._mine = None
 
     def _retire(self, txn, r: Region) -> None:
         if r.state == SEALED:
-            txn.delete(b"Q" + _SEQ.pack(r.seq), db=self._db)
-        txn.put(b"C" + _SLOT.pack(r.slot) + _SLOT.pack(r.gen), b"", db=self._db)
+            txn.delete(b"Q" + SEQ.pack(r.seq), db=self._db)
+        txn.put(b"C" + SLOT.pack(r.slot) + SLOT.pack(r.gen), b"", db=self._db)
         r.state, r.pid, r.gen, r.off = RETIRED, 0, r.gen + 1, 0
         self._put(txn, r)
 
@@ -277,13 +239,16 @@ class RegionTable:
         out = {}
         with self.index.read() as txn:
             for slot in slots:
-                raw = txn.get(b"S" + _SLOT.pack(slot), db=self._db)
+                raw = txn.get(b"S" + SLOT.pack(slot), db=self._db)
                 r = Region.decode(slot, raw) if raw else None
                 out[slot] = r.gen if r is not None and r.state != RETIRED else 0
         return out
 
-    def pending_cleanups(self) -> list[tuple[int, int, list[tuple[int, str]]]]:
-        """Each reclaimed (slot, old gen) not yet cleaned, with its (offset, key) blocks."""
+    def drop_reclaimed(self, only: Sequence[tuple[int, int]] | None = None) -> None:
+        """Drop the index entries of reclaimed generations (`only` those, or every one still
+        marked), then their `B` rows and `C` marker. Idempotent: several processes may race."""
+        if only is not None and not only:
+            return
         self._open_table()
         with self.index.read() as txn:
             cur, todo = txn.cursor(db=self._db), []
@@ -291,33 +256,35 @@ class RegionTable:
                 for k, _ in cur:
                     if k[:1] != b"C":
                         break
-                    todo.append((_SLOT.unpack(k[1:5])[0], _SLOT.unpack(k[5:9])[0]))
-            return [(s, g, [(off, kb.hex()) for off, kb in self._blocks(txn, s, g)])
-                    for s, g in todo]
+                    todo.append((SLOT.unpack(k[1:5])[0], SLOT.unpack(k[5:9])[0]))
+            todo = [(s, g, self._blocks(txn, s, g)) for s, g in todo
+                    if only is None or (s, g) in only]
+        for slot, gen, blocks in todo:
+            where = {kb.hex(): off for off, kb in blocks}
+            old = [e.key for e in self.index.get(self.tier, list(where), ready_only=False)
+                   if e is not None and (e.loc_a, e.loc_b) == (pack_loc(slot, gen), where[e.key])]
+            if old:
+                self.index.delete(self.tier, old)
 
-    def finish_cleanup(self, slot: int, gen: int) -> None:
-        """Drop the `B` rows and the `C` marker of a cleaned generation."""
-        self._open_table()
-
-        def go(txn):
-            for off, _ in self._blocks(txn, slot, gen):
-                txn.delete(b"B" + _BLK.pack(slot, gen, off), db=self._db)
-            txn.delete(b"C" + _SLOT.pack(slot) + _SLOT.pack(gen), db=self._db)
-        self.index.run_write(go)
+            def go(txn, slot=slot, gen=gen, blocks=blocks):
+                for off, _ in blocks:
+                    txn.delete(b"B" + BLK.pack(slot, gen, off), db=self._db)
+                txn.delete(b"C" + SLOT.pack(slot) + SLOT.pack(gen), db=self._db)
+            self.index.run_write(go)
 
     def _blocks(self, txn, slot: int, gen: int) -> list[tuple[int, bytes]]:
-        prefix = b"B" + _BLK.pack(slot, gen, 0)[:8]
+        prefix = b"B" + BLK.pack(slot, gen, 0)[:8]
         cur, out = txn.cursor(db=self._db), []
         if cur.set_range(prefix):
             for k, kb in cur:
                 if k[:9] != prefix:
                     break
-                out.append((_BLK.unpack(k[1:])[2], bytes(kb)))
+                out.append((BLK.unpack(k[1:])[2], bytes(kb)))
         return out
 
     def _get(self, txn, slot: int) -> Region:
-        raw = txn.get(b"S" + _SLOT.pack(slot), db=self._db)
+        raw = txn.get(b"S" + SLOT.pack(slot), db=self._db)
         return Region.decode(slot, raw) if raw else Region(slot)
 
     def _put(self, txn, r: Region) -> None:
-        txn.put(b"S" + _SLOT.pack(r.slot), r.encode(), db=self._db)
+        txn.put(b"S" + SLOT.pack(r.slot), r.encode(), db=self._db)

@@ -28,8 +28,6 @@ import errno
 import logging
 import os
 import re
-import stat
-import struct
 import threading
 import time
 from pathlib import Path
@@ -39,16 +37,17 @@ from kvtier.store import block
 from kvtier.store.config import SharedFSTierConfig
 from kvtier.store.errors import ConfigError, CorruptBlockError, TierError
 from kvtier.store.index_record import PENDING, READY, Entry, owner_alive
-from kvtier.store.keys import key_bytes
 from kvtier.tiers import TierContext
 from kvtier.tiers import sharedfs_files as files
 from kvtier.tiers.aioloop import LoopThread
 from kvtier.tiers.base import MISS, Tier, full_error
+from kvtier.tiers.buffers import checked_header
 from kvtier.tiers.paths import prepare_tier_dir
+from kvtier.tiers.sharedfs_fifo import AgeQueue, created_ns
 
 log = logging.getLogger(__name__)
 IO_THREADS = 16  # concurrent file operations per batch: enough to hide NFS round trips
-_AGE = struct.Struct(">Q")  # FIFO rows: b"A" + created ns + 24-byte key -> frame bytes
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _aiofiles():
@@ -70,24 +69,24 @@ class SharedFSTier(Tier):
         self.root = prepare_tier_dir(Path(cfg.path), cfg.name, self.kind)
         self.node = re.sub(r"[^A-Za-z0-9_-]", "_", ctx.node_id)[:64] or "node"
         self._dirs = files.DirCache(self.root)
+        self._ages = AgeQueue(ctx.index, cfg.name)
         self._loop = LoopThread(f"kvtier-{cfg.name}", IO_THREADS)
         self._stop = threading.Event()
         self._closed = False
         self.index.recover()
-        self._fifo()  # open the FIFO table now, before any concurrent use
         self._sweep = self._loop.call(self._sweep_logged)
 
     # ---- the contract ------------------------------------------------------------------
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
-        return [_is_file(files.block_path(self.root, k)) for k in keys]
+        return [files.is_file(files.block_path(self.root, k)) for k in keys]
 
     def put(self, keys: Sequence[str], frames: Sequence[memoryview]) -> list[bool]:
         self._check_open()
-        headers = [_header_of(k, f) for k, f in zip(keys, frames)]
+        headers = [checked_header(k, f) for k, f in zip(keys, frames)]
         results = [False] * len(keys)
-        todo = self._to_write(keys, results)
+        todo, dups = self._to_write(keys, results)
         fit, need = [], 0
         for i in todo:  # a batch larger than the whole capacity stores what fits
             if need + headers[i].frame_len > self.capacity_bytes:
@@ -97,6 +96,8 @@ class SharedFSTier(Tier):
         if fit:
             self._make_room(need)
         enospc = self._write(keys, frames, headers, fit, results) if fit else False
+        for dup, first in dups.items():
+            results[dup] = results[first]
         if enospc or len(fit) < len(todo):
             why = (f"the filesystem under {self.root} is full (ENOSPC)" if enospc else
                    f"the batch is larger than its capacity of {self.capacity_bytes} bytes")
@@ -118,6 +119,7 @@ class SharedFSTier(Tier):
                     raise CorruptBlockError(f"file holds {st.st_size} bytes, the frame "
                                             f"{h.frame_len}")
             except CorruptBlockError as e:
+                _check_room(key, outs[i], nread, st.st_size)
                 self._quarantine(key, st, str(e))
                 continue
             results[i] = h.payload_len
@@ -130,7 +132,7 @@ class SharedFSTier(Tier):
     def delete(self, keys: Sequence[str]) -> int:
         """Remove the blocks' files (whichever node wrote them) and this node's entries."""
         self._check_open()
-        self._forget(self.index.delete(self.name, keys))
+        self._ages.remove(self.index.delete(self.name, keys))
         removed = 0
         for key in keys:
             try:
@@ -160,8 +162,8 @@ class SharedFSTier(Tier):
         total = files.scan(self.root)
         if prune:
             mine = [e.key for e in self.index.scan(self.name, states=(READY,))]
-            gone = [k for k in mine if not _is_file(files.block_path(self.root, k))]
-            self._forget_keys(gone)
+            self._forget_keys([k for k in mine
+                               if not files.is_file(files.block_path(self.root, k))])
         return total
 
     def sweep_temps(self) -> int:
@@ -176,23 +178,24 @@ class SharedFSTier(Tier):
 
     # ---- writes ------------------------------------------------------------------------
 
-    def _to_write(self, keys: Sequence[str], results: list[bool]) -> list[int]:
-        """Indexes of keys to write; marks keys whose file exists (or is being written) True."""
+    def _to_write(self, keys: Sequence[str], results: list[bool]):
+        """(indexes to write, {duplicate index: first index}); marks present keys True."""
         entries = self.index.get(self.name, keys, ready_only=False)
-        todo, seen, stale = [], set(), []
+        todo, first, dups, stale = [], {}, {}, []
         for i, (key, e) in enumerate(zip(keys, entries)):
-            if key in seen or _is_file(files.block_path(self.root, key)):
+            if key in first:
+                dups[i] = first[key]
+            elif files.is_file(files.block_path(self.root, key)):
                 results[i] = True
             elif e is not None and e.state == PENDING and owner_alive(e.owner_pid, e.created):
                 results[i] = True  # another process of this node is writing it right now
             else:
                 if e is not None:
                     stale.append(key)  # our entry, but another node removed the file
-                seen.add(key)
+                first[key] = i
                 todo.append(i)
-        if stale:
-            self._forget(self.index.delete(self.name, stale))
-        return todo
+        self._forget_keys(stale)
+        return todo, dups
 
     def _write(self, keys, frames, headers, idx, results) -> bool:
         """Reserve, write and commit `idx`; return True if the filesystem ran out of space."""
@@ -200,28 +203,26 @@ class SharedFSTier(Tier):
         entries = [Entry(keys[i], self.name, size=headers[i].frame_len,
                          checksum=headers[i].checksum, created=now) for i in idx]
         reserved = self.index.reserve(entries)
-        mine = [i for i, ok in zip(idx, reserved) if ok]
-        for i, ok in zip(idx, reserved):
-            results[i] = results[i] or not ok  # not ok: this node already holds it
+        mine = [j for j, ok in enumerate(reserved) if ok]
+        for j, ok in enumerate(reserved):
+            results[idx[j]] = not ok  # not ok: this node stored it meanwhile
         errs = self._loop.run(self._write_all(
-            [(keys[i], frames[i], headers[i].frame_len) for i in mine]))
-        done = [keys[i] for i, err in zip(mine, errs) if err is None]
-        failed = [keys[i] for i, err in zip(mine, errs) if err is not None]
+            [(keys[idx[j]], frames[idx[j]], headers[idx[j]].frame_len) for j in mine]))
+        done = [entries[j] for j, err in zip(mine, errs) if err is None]
+        failed = [entries[j].key for j, err in zip(mine, errs) if err is not None]
         if failed:
             self.index.abort(self.name, failed)
-        self.index.commit(self.name, done)
-        stored = set(done)
-        self._remember([e for e, ok in zip(entries, reserved) if ok and e.key in stored])
-        for i, err in zip(mine, errs):
-            results[i] = err is None
-        enospc = sum(1 for e in errs if e is not None and e.errno in (errno.ENOSPC, errno.EDQUOT))
-        other = [e for e in errs if e is not None and e.errno not in (errno.ENOSPC, errno.EDQUOT)]
-        self.stats.add(puts=len(done), errors=len(other),
-                       bytes_in=sum(headers[i].frame_len for i, e in zip(mine, errs) if e is None))
+        self.index.commit(self.name, [e.key for e in done])
+        self._ages.add(done)
+        for j, err in zip(mine, errs):
+            results[idx[j]] = err is None
+        full = [e for e in errs if e is not None and e.errno in _FULL_ERRNOS]
+        other = [e for e in errs if e is not None and e.errno not in _FULL_ERRNOS]
+        self.stats.add(puts=len(done), errors=len(other), bytes_in=sum(e.size for e in done))
         if other:
             log.warning("sharedfs tier %r: %d writes failed (%s)", self.name, len(other),
                         other[0])
-        return enospc > 0
+        return bool(full)
 
     async def _write_all(self, items) -> list[OSError | None]:
         loop = asyncio.get_running_loop()
@@ -238,8 +239,6 @@ class SharedFSTier(Tier):
             return e
         return None
 
-    # ---- capacity ----------------------------------------------------------------------
-
     def _make_room(self, need: int) -> None:
         """Evict this node's oldest files until `need` more bytes fit under the capacity.
 
@@ -250,84 +249,27 @@ class SharedFSTier(Tier):
             deficit = self.used_bytes() + need - self.capacity_bytes
             if deficit <= 0:
                 return
-            victims = self._pop_oldest(deficit)
+            victims = self._ages.pop_oldest(deficit)
             if not victims:
                 return
             entries = self.index.get(self.name, [k for _, k in victims])
             old = [e.key for (ns, _), e in zip(victims, entries)
-                   if e is not None and int(e.created * 1e9) == ns]
+                   if e is not None and created_ns(e) == ns]
+            # Files go only after the index transaction has dropped their entries.
             for e in self.index.delete(self.name, old):
                 files.block_path(self.root, e.key).unlink(missing_ok=True)
-
-    def _fifo(self):
-        return self.index.table(f"sharedfs.{self.name}")  # outside any transaction: see regions
-
-    def _pop_oldest(self, nbytes: int) -> list[tuple[int, str]]:
-        """Take the oldest FIFO rows that add up to `nbytes`: (created ns, key) each."""
-        db = self._fifo()
-
-        def go(txn):
-            cur, out, got = txn.cursor(db=db), [], 0
-            while got < nbytes and cur.set_range(b"A") and cur.key()[:1] == b"A":
-                k = cur.key()
-                out.append((_AGE.unpack(k[1:9])[0], k[9:].hex()))
-                got += _AGE.unpack(cur.value())[0]
-                cur.delete()
-            return out
-        return self.index.run_write(go)
-
-    def _remember(self, entries: Sequence[Entry]) -> None:
-        self._fifo_rows(entries, add=True)
-
-    def _forget(self, entries: Sequence[Entry]) -> None:
-        self._fifo_rows(entries, add=False)
-
-    def _fifo_rows(self, entries: Sequence[Entry], add: bool) -> None:
-        if not entries:
-            return
-        db = self._fifo()
-
-        def go(txn):
-            for e in entries:
-                k = b"A" + _AGE.pack(int(e.created * 1e9)) + key_bytes(e.key)
-                if add:
-                    txn.put(k, _AGE.pack(e.size), db=db)
-                else:
-                    txn.delete(k, db=db)
-        self.index.run_write(go)
-
-    def _forget_keys(self, keys: Sequence[str]) -> None:
-        if keys:
-            self._forget(self.index.delete(self.name, keys))
 
     # ---- reads -------------------------------------------------------------------------
 
     async def _read_all(self, keys, outs):
-        return await asyncio.gather(*(self._read_one(k, o) for k, o in zip(keys, outs)))
-
-    async def _read_one(self, key: str, out: memoryview):
-        """(bytes read, fstat of the file, OSError or None)."""
-        loop, st = asyncio.get_running_loop(), None
-        try:
-            async with self._aiofiles.open(files.block_path(self.root, key), "rb", buffering=0,
-                                           opener=files.nofollow_opener) as f:
-                st = await loop.run_in_executor(None, os.fstat, f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    return 0, st, _NotRegularFile(errno.EINVAL, "not a regular file")
-                view, done = memoryview(out)[:min(st.st_size, len(out))], 0
-                while done < len(view):
-                    n = await f.readinto(view[done:])
-                    if not n:
-                        break
-                    done += n
-                return done, st, None
-        except OSError as e:
-            return 0, st, e
+        return await asyncio.gather(*(files.read_block(self._aiofiles,
+                                                       files.block_path(self.root, k), o)
+                                      for k, o in zip(keys, outs)))
 
     def _read_failed(self, key: str, st, err: OSError, gone: list[str]) -> None:
         if err.errno == errno.ENOENT:
             gone.append(key)  # never written, or removed by another node: a plain miss
-        elif err.errno == errno.ELOOP or isinstance(err, _NotRegularFile):
+        elif err.errno == errno.ELOOP or isinstance(err, files.NotRegularFile):
             self._quarantine(key, st, "a symlink or special file where a block belongs")
         else:
             self.stats.add(errors=1)
@@ -340,24 +282,24 @@ class SharedFSTier(Tier):
         log.warning("sharedfs tier %r: block %s is corrupt (%s); %s", self.name, key, why,
                     "moved to .quarantine" if moved else "already replaced or removed")
 
+    def _forget_keys(self, keys: Sequence[str]) -> None:
+        if keys:
+            self._ages.remove(self.index.delete(self.name, keys))
+
     def _check_open(self) -> None:
         if self._closed:
             raise TierError(f"sharedfs tier {self.name!r} is closed; open it again")
 
 
-class _NotRegularFile(OSError):
-    """A directory, fifo or device sits where a block file belongs."""
-
-
-def _is_file(path: Path) -> bool:
+def _check_room(key: str, out: memoryview, nread: int, file_size: int) -> None:
+    """Raise ValueError if a sound frame only failed because the caller's buffer is short:
+    that is a caller bug, and quarantining the block for it would destroy good data."""
+    if nread >= file_size:
+        return
     try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
-
-
-def _header_of(key: str, frame: memoryview) -> block.Header:
-    h = block.parse_header(frame)
-    if h.key != key:
-        raise ValueError(f"frame is sealed for {h.key}, not for {key}")
-    return h
+        h = block.parse_header(out)
+    except CorruptBlockError:
+        return
+    if h.key == key and h.frame_len == file_size:
+        raise ValueError(f"out buffer of {len(out)} bytes is too small for block {key} "
+                         f"({h.frame_len} bytes); size buffers by the namespace's frame")

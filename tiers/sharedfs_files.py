@@ -18,6 +18,8 @@ is refused, never followed. Keys are validated hex, so no name can escape the ro
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import os
 import secrets
 import stat
@@ -42,6 +44,38 @@ def block_path(root: Path, key: str) -> Path:
 def nofollow_opener(path: str, flags: int) -> int:
     """`open(..., opener=)` hook: never follow a symlink at the file itself."""
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+class NotRegularFile(OSError):
+    """A directory, fifo or device sits where a block file belongs."""
+
+
+def is_file(path: Path) -> bool:
+    """True for a regular file at `path` (a symlink there is not one)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+async def read_block(aiofiles, path: Path, out: memoryview):
+    """Read the file at `path` into `out` with aiofiles: (bytes read, fstat or None, OSError
+    or None). Reads at most len(out) bytes; the caller compares with the file size."""
+    loop, st = asyncio.get_running_loop(), None
+    try:
+        async with aiofiles.open(path, "rb", buffering=0, opener=nofollow_opener) as f:
+            st = await loop.run_in_executor(None, os.fstat, f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return 0, st, NotRegularFile(errno.EINVAL, "not a regular file")
+            view, done = memoryview(out)[:min(st.st_size, len(out))], 0
+            while done < len(view):
+                n = await f.readinto(view[done:])
+                if not n:
+                    break  # the file shrank under us: verification will say truncated
+                done += n
+            return done, st, None
+    except OSError as e:
+        return 0, st, e
 
 
 class DirCache:

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 from kvtier.store.errors import ConfigError, TierError
-from kvtier.tiers.aligned import address
+from kvtier.tiers.buffers import address
 from kvtier.tiers.io_engines import IOEngine, IOOp
 
 PROXY_CACHE = 4096

@@ -133,6 +133,41 @@ def test_dead_writer_leaves_no_pending_entry_and_its_region_is_adopted(spec):
         close(tier)
 
 
+def test_adopted_region_too_full_for_the_next_frame_is_sealed_not_overrun(spec):
+    first = open_spec(spec)
+    put(first, keys_for(0, 3))  # 768 KiB of a 1 MiB region, then parked at close
+    close(first)
+    tier = open_spec(spec)
+    try:
+        k = keys_for(10, 1)
+        assert put(tier, k, size=2 * PAYLOAD + block.HEADER_SIZE) == [True]  # 512 KiB slot
+        e = tier.test_index.get("nvme", k)[0]
+        assert e.loc_b + 512 * KiB <= MiB  # never across a region boundary
+        assert put(tier, keys_for(20, 3)) == [True] * 3  # fills the regions around it
+        res, outs = get(tier, keys_for(0, 3) + k, size=2 * PAYLOAD + block.HEADER_SIZE)
+        assert check_hit(k[0], outs[3], res[3], 2 * PAYLOAD + block.HEADER_SIZE)
+    finally:
+        close(tier)
+
+
+def test_region_with_a_write_in_flight_is_skipped_by_reclaim(spec):
+    tier = open_spec(spec)
+    try:
+        x = keys_for(999, 1)[0]
+        alloc = tier.regions.allocate([4096], [x])  # as put does, before it writes
+        slot, gen, off = alloc.locs[0]
+        assert tier.test_index.reserve([Entry(x, "nvme", size=1000, loc_a=pack_loc(slot, gen),
+                                              loc_b=off)]) == [True]
+        put(tier, keys_for(0, 15))  # x's region first (3 more fit), then three more regions
+        put(tier, keys_for(15, 4))  # needs a reclaim: x's region is the oldest, but busy
+        assert tier.test_index.get("nvme", [x], ready_only=False)[0].loc_a == pack_loc(slot, gen)
+        assert tier.contains(keys_for(0, 3)) == [True] * 3  # x's neighbours survived
+        assert tier.contains(keys_for(3, 4)) == [False] * 4  # the next oldest went instead
+        tier.test_index.abort("nvme", [x])
+    finally:
+        close(tier)
+
+
 def test_changed_region_size_is_a_clear_error(spec):
     close(open_spec(spec))
     with pytest.raises(ConfigError, match="region_size"):

@@ -1,4 +1,5 @@
-"""Page-aligned buffers for O_DIRECT: alignment checks and a pool of bounce buffers.
+"""Frames and buffers of the file tiers: the header check of a put, O_DIRECT alignment, and a
+pool of bounce buffers.
 
 O_DIRECT needs the memory address, the file offset and the length of every transfer to be
 multiples of the logical block size; 4 KiB covers every NVMe and filesystem we run on. A caller's
@@ -14,7 +15,22 @@ import threading
 
 import numpy as np
 
-from kvtier.store.block import PAGE, alloc_aligned
+from kvtier.store.block import PAGE, Header, alloc_aligned, parse_header
+
+
+def checked_header(key: str, frame: memoryview) -> Header:
+    """The header of a frame about to be stored under `key` (ValueError if sealed for another).
+
+    The payload checksum is not recomputed here: the caller sealed the frame (the contract),
+    and every read verifies it.
+    """
+    h = parse_header(frame)
+    if h.key != key:
+        raise ValueError(f"frame is sealed for {h.key}, not for {key}")
+    if len(frame) < h.frame_len:
+        raise ValueError(f"frame of {len(frame)} bytes is shorter than its header says "
+                         f"({h.frame_len})")
+    return h
 
 
 def address(buf: memoryview) -> int:
@@ -75,3 +91,28 @@ class BouncePool:
         for bufs in idle.values():
             for buf in bufs:
                 buf.release()
+
+    def for_write(self, frame: memoryview, frame_len: int, nbytes: int):
+        """(view to write, bounce or None): the frame itself when O_DIRECT can take it."""
+        frame = memoryview(frame)
+        if usable_direct(frame, nbytes):
+            return frame[:nbytes], None
+        buf = self.take(nbytes)
+        buf[:frame_len] = frame[:frame_len]
+        buf[frame_len:nbytes] = bytes(nbytes - frame_len)  # no stale bytes of other blocks
+        return buf[:nbytes], buf
+
+    def for_read(self, out: memoryview, nbytes: int):
+        """(view to read into, bounce or None): the caller's buffer when O_DIRECT can fill it."""
+        out = memoryview(out)
+        if usable_direct(out, nbytes):
+            return out[:nbytes], None
+        buf = self.take(nbytes)
+        return buf[:nbytes], buf
+
+    def give_back(self, pairs) -> None:
+        """Return the bounces of (view, bounce or None) pairs from `for_write`/`for_read`."""
+        for view, bounce in pairs:
+            if bounce is not None:
+                view.release()
+                self.give(bounce)
