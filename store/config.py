@@ -240,6 +240,13 @@ class Policy(BaseModel):
                     raise _field_error(f"tiers[{i}].path",
                                        f"same path as tier {paths[path]!r}; give each tier its own")
                 paths[path] = tier.name
+        if self.mover.high_watermark >= self.master.eviction_high_watermark_ratio:
+            # kvtier must demote on its own policy before the master's lease-ordered
+            # eviction starts dropping blocks of live sessions.
+            raise _field_error("mover.high_watermark",
+                               f"must be below master.eviction_high_watermark_ratio "
+                               f"({self.master.eviction_high_watermark_ratio}) so kvtier demotes "
+                               "before the master evicts")
         return self
 
     def tier(self, name: str) -> BaseModel:

@@ -174,3 +174,11 @@ def test_cli_config_check(tmp_path):
     out = _cli("config", "check", str(write(tmp_path, bad, "bad.yaml")))
     assert out.returncode == 2
     assert "tiers[0].capacity" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_kvtier_must_demote_before_the_master_evicts(tmp_path):
+    data = base(tmp_path)
+    data["mover"] = {"high_watermark": 0.97}
+    with pytest.raises(ConfigError, match=r"mover.high_watermark: must be below "
+                                          r"master.eviction_high_watermark_ratio"):
+        load_policy(write(tmp_path, data))
