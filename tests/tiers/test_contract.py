@@ -131,6 +131,8 @@ def test_full_tier_reclaims_its_oldest_blocks(spec):
 
 
 def test_blocks_survive_a_restart(spec):
+    if not FACTORIES[spec.factory].outlives_writer:
+        pytest.skip("a closed client takes its segment, and the blocks in it, along")
     keys = keys_for(0, 6)
     tier = open_spec(spec)
     put_keys(tier, keys, 100 * KiB)
@@ -185,6 +187,8 @@ def test_processes_write_while_this_one_reads(spec, tier):
                      if r != MISS and not check_hit(k, o, r, size))
     assert [finish_worker(p)[-1]["stored"] for p in procs] == [40, 40]
     assert wrong == 0
+    if not FACTORIES[spec.factory].outlives_writer:
+        return  # the writers exited and took their segments, and blocks, along
     keys = keys_for(0, 80)
     res, outs = get_keys(tier, keys, size)
     assert all(check_hit(k, o, r, size) for k, o, r in zip(keys, outs, res))

@@ -19,7 +19,8 @@ from typing import Callable
 import numpy as np
 
 from kvtier.store import block
-from kvtier.store.config import MasterConfig, NvmeTierConfig, SharedFSTierConfig
+from kvtier.store.config import (MasterConfig, MooncakeTierConfig, NvmeTierConfig,
+                                 SharedFSTierConfig)
 from kvtier.store.index import Index
 from kvtier.store.keys import Namespace, id_chain_hashes, make_keys
 from kvtier.store.units import parse_size
@@ -91,10 +92,15 @@ class TierFactory:
     # Called with the test's pytest request; returns Spec.extra (e.g. a master fixture's
     # address). None: nothing to set up.
     extra_for: Callable[[object], dict] | None = None
+    # False where a block lives in the memory of the process that wrote it (the pool: a
+    # closed or exited client takes its segment, and the blocks in it, along).
+    outlives_writer: bool = True
 
     def open(self, spec: Spec) -> Tier:
         index = Index(spec.index_path, map_size_bytes=64 * MiB)
-        tier = open_tier(self.make_config(spec), TierContext(index, spec.node_id, MasterConfig()))
+        address = (spec.extra or {}).get("master_address")
+        master = MasterConfig(address=address, embedded=False) if address else MasterConfig()
+        tier = open_tier(self.make_config(spec), TierContext(index, spec.node_id, master))
         tier.test_index = index  # type: ignore[attr-defined]
         return tier
 
@@ -152,7 +158,32 @@ def _sharedfs_raw_write(tier: Tier, key: str, data: bytes) -> None:
     block_path(tier.root, key).write_bytes(data)  # type: ignore[attr-defined]
 
 
+def _mooncake_config(spec: Spec) -> MooncakeTierConfig:
+    extra = {k: v for k, v in (spec.extra or {}).items() if k != "master_address"}
+    # Mooncake's smallest segment is 16 MiB: smaller test capacities round up to it.
+    capacity = max(parse_size(spec.capacity), 16 * MiB)
+    return MooncakeTierConfig(kind="mooncake", name="dram", capacity=capacity,
+                              buffer="16MiB", staging="32MiB", retry_backoff_s=0.01, **extra)
+
+
+def _mooncake_raw_read(tier: Tier, key: str) -> bytes:
+    with tier.client.session() as store:  # type: ignore[attr-defined]
+        return store.get(key)
+
+
+def _mooncake_raw_write(tier: Tier, key: str, data: bytes) -> None:
+    with tier.client.session() as store:  # type: ignore[attr-defined]
+        store.remove(key, True)
+        assert store.put(key, data, tier.client.replicate) == 0  # type: ignore[attr-defined]
+
+
+def _mooncake_extra(request) -> dict:
+    return {"master_address": request.getfixturevalue("shared_master").address}
+
+
 FACTORIES: dict[str, TierFactory] = {
+    "mooncake": TierFactory(_mooncake_config, _mooncake_raw_read, _mooncake_raw_write,
+                            extra_for=_mooncake_extra, outlives_writer=False),
     "nvme-uring": TierFactory(_nvme_config("uring"), _nvme_raw_read, _nvme_raw_write),
     "nvme-psync": TierFactory(_nvme_config("psync"), _nvme_raw_read, _nvme_raw_write),
     "sharedfs": TierFactory(_sharedfs_config, _sharedfs_raw_read, _sharedfs_raw_write),
