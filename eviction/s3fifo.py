@@ -126,16 +126,15 @@ class S3FIFOPolicy(EvictionPolicy):
             steps -= 1
             if not small_done and (small_bytes > self.small_target or main_done):
                 key = next(small_it, None)
-                if key is None:
-                    small_done = True
-                elif key not in skip:
+                small_done = key is None
+                if key is not None and key not in skip:
                     small_bytes -= self.size[key]
-                    if self.freq[key] >= self.promote_freq:
-                        plan.append((_S2M, key))
+                    promote = self.freq[key] >= self.promote_freq
+                    plan.append((_S2M if promote else _EVICT, key))
+                    if promote:
                         tail.append((key, self.freq[key]))
                         main_done = False
                     else:
-                        plan.append((_EVICT, key))
                         freed += self.size[key]
                 continue
             key = next(main_it, None)

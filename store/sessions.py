@@ -47,9 +47,9 @@ class SessionConfig:
     prior: GapPrior = field(default_factory=GapPrior)
     rewrite_max_dropped: int = 0   # >0 for traces that also hash a trailing partial block
     shared_min_sessions: int = 2
-    end_after_quantile: float = 0.99
+    end_after_quantile: float = 0.999
     end_after_factor: float = 4.0
-    end_min_s: float = 120.0
+    end_min_s: float = 3600.0     # agents come back after lunch: reclaim late, not early
     hint_sigma: float = 0.5       # log-space spread around an `expected_gap_s` hint
     max_sessions: int = 1_000_000
 

@@ -42,6 +42,24 @@ def _floats(text: str, what: str, n: int | None = None) -> tuple[float, ...]:
     return vals
 
 
+def _workloads(names: list[str]) -> tuple[str, ...]:
+    bad = [w for w in names if w not in WORKLOADS]
+    if bad:
+        raise ReplayError(f"unknown workload {bad[0]!r}; known: {', '.join(WORKLOADS)}")
+    return tuple(dict.fromkeys(names))
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    from kvtier.eviction import EVICTION_POLICIES
+    pols = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in pols if p not in EVICTION_POLICIES or p == "belady"]
+    if unknown or not pols:
+        raise ReplayError(f"unknown or implicit policy {(unknown or [text])[0]!r}; choose "
+                          f"from {', '.join(k for k in EVICTION_POLICIES if k != 'belady')} "
+                          "(belady and the infinite cache always run)")
+    return pols
+
+
 def replay(
     simulate: bool = typer.Option(False, "--simulate", help="policy-only replay, no bytes moved"),
     engine: Optional[str] = typer.Option(None, help="replay through an engine: vllm | sim "
@@ -72,17 +90,8 @@ def replay(
     if engine is not None:
         raise ReplayError("--engine cannot be combined with --simulate (engine replay is "
                           "not implemented yet)")
-    bad = [w for w in workload if w not in WORKLOADS]
-    if bad:
-        raise ReplayError(f"unknown workload {bad[0]!r}; known: {', '.join(WORKLOADS)}")
-    pols = tuple(p.strip() for p in policies.split(",") if p.strip())
-    from kvtier.eviction import EVICTION_POLICIES
-    unknown = [p for p in pols if p not in EVICTION_POLICIES or p == "belady"]
-    if unknown:
-        raise ReplayError(f"unknown or implicit policy {unknown[0]!r}; choose from "
-                          f"{', '.join(k for k in EVICTION_POLICIES if k != 'belady')}")
     spec = RunSpec(
-        workloads=tuple(dict.fromkeys(workload)), policies=pols,
+        workloads=_workloads(workload), policies=_policies(policies),
         capacities=_floats(capacities, "--capacities"),
         tiered=None if tiered == "none" else _floats(tiered, "--tiered", 3),
         traces=traces, synthetic=SyntheticSpec(sessions=sessions, live=live or sessions,

@@ -30,7 +30,6 @@ from kvtier.store.policies import EVICTION_KINDS
 from kvtier.store.session_stats import GapPrior
 from kvtier.store.sessions import SessionConfig, SessionTracker
 from kvtier.tools.segments import Compiled
-from kvtier.tools.traces import GAP_CLASSES
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ class Replay:
         if kind == 0:
             self._save(t, r, h, sid)
         else:
-            self.tracker.end_turn(sid, t, GAP_CLASSES[self.c.work.gap_class[r]])
+            self.tracker.end_turn(sid, t, self.c.work.gap_names[self.c.work.gap_class[r]])
 
     def _lookup(self, r: int, t: float) -> tuple[int, object]:
         lo, hi = self.off[r], self.off[r + 1]

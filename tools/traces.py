@@ -32,7 +32,7 @@ import numpy as np
 from kvtier.store.errors import KVTierError
 
 GAP_CLASSES = (None, "tool", "user")   # code 0, 1, 2 in `Workload.gap_class`
-_WEKA_STOP = {"tool_use": 1, "end_turn": 2}
+_WEKA_STOP = {"tool_use": "tool", "end_turn": "user"}
 
 
 class TraceError(KVTierError):
@@ -51,6 +51,7 @@ class Workload:
     service_s: np.ndarray      # float64 arrival -> response end (0: unknown)
     blocks: np.ndarray         # int64 flat chains
     offsets: np.ndarray        # int64, len(requests) + 1
+    gap_names: tuple = GAP_CLASSES  # what each `gap_class` code stands for
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -158,18 +159,34 @@ def load_weka(directory: str | Path, chunk_tokens: int = 256, live: int = 32, se
     order = np.random.default_rng(seed).permutation(len(files))[:max_sessions]
     slots = np.zeros(live)
     rows, chains = [], []
+    vocab = {name: code for code, name in enumerate(GAP_CLASSES)}
     for n, i in enumerate(order):
-        sess_rows, sess_chains = _weka_session(files[i], int(i), chunk_tokens // 64)
+        sess_rows, sess_chains = _weka_session(files[i], int(i), chunk_tokens // 64, vocab)
         slot = int(np.argmin(slots))
         start = slots[slot]
         slots[slot] = start + max(r[0] for r in sess_rows) + 1.0
         rows += [(r[0] + start,) + r[1:] for r in sess_rows]
         chains += sess_chains
-    return build(f"weka({len(order)} sessions, {live} live)", chunk_tokens, rows, chains)
+    w = build(f"weka({len(order)} sessions, {live} live)", chunk_tokens, rows, chains)
+    w.gap_names = tuple(sorted(vocab, key=vocab.get))[:128]
+    return w
 
 
-def _weka_session(path: Path, file_idx: int, k: int) -> tuple[list, list]:
-    """Rows and namespaced, coarsened chains of one session file (sub-agents flattened)."""
+def _weka_gap_class(req: dict, vocab: dict) -> int:
+    """What a server knows about the wait when the response ends: the model stopped on a
+    tool call ("tool:...") or handed back to a person ("user"), refined by what it produced
+    (a bare call comes back sooner than one after thinking and text)."""
+    kind = _WEKA_STOP.get(req.get("stop"))
+    if kind is None:
+        return 0
+    out = req.get("output_types")
+    parts = sorted(x for x in out if isinstance(x, str)) if isinstance(out, list) else []
+    name = f"{kind}:{'+'.join(parts)}" if kind == "tool" else kind
+    return min(vocab.setdefault(name, len(vocab)), 127)
+
+
+def _weka_doc(path: Path) -> dict:
+    """The parsed session file, checked at the top level."""
     try:
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt", encoding="utf-8") as f:
@@ -182,6 +199,12 @@ def _weka_session(path: Path, file_idx: int, k: int) -> tuple[list, list]:
         raise TraceError(f"{path}: expected an object with a 'requests' list")
     if doc.get("block_size", 64) != 64:
         raise TraceError(f"{path}: field 'block_size' must be 64, got {doc.get('block_size')!r}")
+    return doc
+
+
+def _weka_session(path: Path, file_idx: int, k: int, vocab: dict) -> tuple[list, list]:
+    """Rows and namespaced, coarsened chains of one session file (sub-agents flattened)."""
+    doc = _weka_doc(path)
     rows, chains = [], []
     ns = file_idx << 40  # ids are session-local: give each file its own namespace
     todo = [(r, 0.0, file_idx * 1024, f"request {j}") for j, r in enumerate(doc["requests"])]
@@ -201,7 +224,7 @@ def _weka_session(path: Path, file_idx: int, k: int) -> tuple[list, list]:
             raise TraceError(f"{where}: expected an object")
         t = base + _num(req, "t", where)
         ids = _ids(req, where)
-        gap = _WEKA_STOP.get(req.get("stop"), 0)
+        gap = _weka_gap_class(req, vocab)
         api = req.get("api_time")
         service = float(api) if isinstance(api, (int, float)) and api > 0 else 0.0
         rows.append((t, _num(req, "in", where), _num(req, "out", where), sess, gap, service))

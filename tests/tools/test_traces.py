@@ -27,7 +27,7 @@ def weka_file(path, requests, **top):
 
 def req(t, ids, stop="tool_use", **kw):
     return {"t": t, "type": "n", "in": 64 * len(ids) + 10, "out": 5, "hash_ids": ids,
-            "stop": stop, "api_time": 1.5, **kw}
+            "stop": stop, "output_types": ["tool_use"], "api_time": 1.5, **kw}
 
 
 def test_weka_sessions_are_namespaced_coarsened_and_interleaved(tmp_path):
@@ -40,7 +40,8 @@ def test_weka_sessions_are_namespaced_coarsened_and_interleaved(tmp_path):
     assert len(w) == 12 and w.block_tokens == 128
     assert w.unique_blocks == 3 * (4 + 2)  # 2-block chunks, per file: 1,2,3,4 and 5,6
     main = w.session == w.session[0]
-    assert w.gap_class[main].tolist() == [1, 2]  # tool_use, end_turn
+    names = [w.gap_names[c] for c in w.gap_class[main]]
+    assert names == ["tool:tool_use", "user"]  # stop reason, refined by the output types
     assert w.service_s[0] == 1.5
     assert len(set(w.session.tolist())) == 6  # three mains, three sub-agents
     # two slots: the third session starts only when one of the first two has ended
