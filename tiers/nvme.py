@@ -96,8 +96,14 @@ class NvmeTier(Tier):
                                        f"({e.strerror}); check the path and its permissions"
                                        ) from None
         size = self.n_regions * self.region_bytes
-        if os.fstat(fd).st_size < size:
-            os.ftruncate(fd, size)  # sparse: disk blocks are taken as regions fill
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)  # sparse: disk blocks are taken as regions fill
+        except OSError as e:
+            os.close(fd)
+            raise TierUnavailableError(f"nvme tier {self.name!r}: cannot size {path} to "
+                                       f"{size} bytes ({e.strerror}); lower its capacity"
+                                       ) from None
         return fd
 
     # ---- the contract ------------------------------------------------------------------
@@ -223,7 +229,8 @@ class NvmeTier(Tier):
     def _write_reserved(self, idx, entries, sizes, keys, frames, results) -> str | None:
         if not idx:
             return None
-        bufs = [self._bounce.for_write(frames[i], e.size, n) for i, e, n in zip(idx, entries, sizes)]
+        bufs = [self._bounce.for_write(frames[i], e.size, n)
+                for i, e, n in zip(idx, entries, sizes)]
         try:
             ops = [IOOp(self._fd, b, self._offset(e), True)
                    for (b, _), e in zip(bufs, entries)]

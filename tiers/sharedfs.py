@@ -231,13 +231,18 @@ class SharedFSTier(Tier):
 
     def _write_one(self, key: str, frame: memoryview, frame_len: int) -> OSError | None:
         path = files.block_path(self.root, key)
-        try:
-            self._dirs.ensure(path.parent)
-            files.write_block(path, memoryview(frame)[:frame_len], self.cfg.file_mode,
-                              self.cfg.fsync, f"{self.node}.{os.getpid()}")
-        except OSError as e:
-            return e
-        return None
+        for attempt in range(2):
+            try:
+                self._dirs.ensure(path.parent)
+                files.write_block(path, memoryview(frame)[:frame_len], self.cfg.file_mode,
+                                  self.cfg.fsync, f"{self.node}.{os.getpid()}")
+                return None
+            except FileNotFoundError as e:
+                self._dirs.forget(path.parent)  # another node pruned the directory: redo it
+                err = e
+            except OSError as e:
+                return e
+        return err
 
     def _make_room(self, need: int) -> None:
         """Evict this node's oldest files until `need` more bytes fit under the capacity.

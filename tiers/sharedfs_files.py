@@ -101,6 +101,11 @@ class DirCache:
         with self._lock:
             self._known.add(leaf)
 
+    def forget(self, leaf: Path) -> None:
+        """Check `leaf` again next time (someone removed it, e.g. a cleanup of empty dirs)."""
+        with self._lock:
+            self._known.discard(leaf)
+
 
 def write_block(path: Path, frame: memoryview, file_mode: int, fsync: bool, tag: str) -> None:
     """Write `frame` to a temp file beside `path`, fsync it, rename it over `path`.

@@ -101,6 +101,16 @@ def test_nodes_in_processes_write_the_same_keys_at_once(spec, tier):
     assert tier.rescan(prune=False) == (30, 30 * (block.HEADER_SIZE + SIZE))
 
 
+def test_fanout_directory_removed_by_another_node_is_made_again(tier):
+    k = keys_for(0, 2)
+    put(tier, k[:1])
+    leaf = block_path(tier.root, k[0]).parent
+    block_path(tier.root, k[0]).unlink()
+    leaf.rmdir()  # a cleanup elsewhere pruned the directory this process knows
+    assert put(tier, k[:1]) == [True]
+    assert get(tier, k[:1])[0] == [SIZE]
+
+
 def test_symlink_in_place_of_a_block_is_refused_and_moved_aside(tier, tmp_path):
     k = keys_for(0, 1)[0]
     put(tier, [k])
