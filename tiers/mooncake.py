@@ -18,7 +18,8 @@ Data path (batched Mooncake calls only):
   Mooncake releases the GIL) overlaps the checksum and copies of the chunk before it.
 
 Codes: -704 / -703 / -707 are misses; -800 (the segment holding the object belongs to a client
-that died; the master forgets it after its client TTL) is a miss counted in `errors`; -200
+that died; the master forgets it after its client TTL) is a miss counted in `errors`; -600 (the
+object is larger than the caller's out buffer) is the caller's ValueError, the block kept; -200
 (pool full, nothing evictable) is retried with exponential back-off from `retry_backoff_s`,
 then raised as `TierFullError`; a master that does not answer is `TierUnavailableError`, and
 the next call reconnects (see `mooncake_client`).
@@ -139,6 +140,7 @@ class MooncakeTier(Tier):
         views = [_byte_view(o) for o in outs]
         result = [MISS] * len(keys)
         corrupt: list[str] = []
+        too_small: list[int] = []
 
         def check(i: int, code: int, frame: memoryview) -> None:
             if code >= 0:
@@ -146,8 +148,8 @@ class MooncakeTier(Tier):
                     result[i] = verify(frame[:code], keys[i], code).payload_len
                 except CorruptBlockError:
                     corrupt.append(keys[i])
-            elif code == INVALID_PARAMS:  # larger than the caller's buffer: not our frame
-                corrupt.append(keys[i])
+            elif code == INVALID_PARAMS:  # the object is larger than the caller's buffer
+                too_small.append(i)
             elif code == TRANSFER_FAIL or code not in MISS_CODES:
                 self.stats.add(errors=1)  # -800: the client lending that segment is gone
 
@@ -161,6 +163,13 @@ class MooncakeTier(Tier):
                        [len(views[i]) for i in uniq], lambda j, c, f: check(uniq[j], c, f))
         if corrupt:
             self._quarantine(corrupt)
+        if too_small:
+            # A caller's sizing bug, not a reason to wipe a block the whole cluster shares
+            # (a namespace fixes its frame size); as the file tiers do, refuse loudly.
+            i = too_small[0]
+            raise ValueError(f"out buffer of {len(views[i])} bytes is smaller than the stored "
+                             f"frame of {keys[i]} ({len(too_small)} such); size out buffers "
+                             "for the namespace's frame (HEADER_SIZE + block bytes)")
         for i, key in enumerate(keys):
             src, n = first[key], result[first[key]]
             if src != i and n != MISS:
