@@ -4,18 +4,21 @@ pool of bounce buffers.
 O_DIRECT needs the memory address, the file offset and the length of every transfer to be
 multiples of the logical block size; 4 KiB covers every NVMe and filesystem we run on. A caller's
 frame that is aligned and long enough goes to the disk as is (zero copy); any other frame goes
-through a bounce buffer from `BouncePool`. Bounce buffers are anonymous mmaps (page-aligned by
-construction) and are reused, because faulting in a fresh 16 MiB mapping costs as much as
-reading it from a fast disk.
+through a bounce buffer from `BouncePool`. Bounce buffers are private anonymous mmaps
+(page-aligned by construction; private, so a forked child never shares one with its parent)
+and are reused, because faulting in a fresh 16 MiB mapping costs as much as reading it from a
+fast disk.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 
 import numpy as np
 
-from kvtier.store.block import PAGE, Header, alloc_aligned, parse_header
+from kvtier.store.block import PAGE, Header, parse_header
 
 
 def checked_header(key: str, frame: memoryview) -> Header:
@@ -60,6 +63,7 @@ class BouncePool:
         self._idle: dict[int, list[memoryview]] = {}
         self._idle_bytes = 0
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     @staticmethod
     def _bucket(nbytes: int) -> int:
@@ -69,17 +73,19 @@ class BouncePool:
         """A page-aligned writable buffer of at least `nbytes` (contents undefined)."""
         size = self._bucket(nbytes)
         with self._lock:
+            if self._pid != os.getpid():  # a forked child starts with a pool of its own
+                self._pid, self._idle, self._idle_bytes = os.getpid(), {}, 0
             free = self._idle.get(size)
             if free:
                 self._idle_bytes -= size
                 return free.pop()
-        return alloc_aligned(size)
+        return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
 
     def give(self, buf: memoryview) -> None:
         """Return a buffer from `take`; the caller must not use it afterwards."""
         size = len(buf)
         with self._lock:
-            if self._idle_bytes + size <= self._keep_bytes:
+            if self._pid == os.getpid() and self._idle_bytes + size <= self._keep_bytes:
                 self._idle.setdefault(size, []).append(buf)
                 self._idle_bytes += size
                 return

@@ -17,6 +17,7 @@ from kvtier.store import block
 from kvtier.store.errors import ConfigError
 from kvtier.store.index_record import Entry
 from kvtier.tiers import MISS
+from kvtier.tiers.buffers import BouncePool
 from kvtier.tiers.io_engines import IOOp, make_engine
 from kvtier.tiers.regions import pack_loc, unpack_loc
 from tier_factories import (KiB, MiB, Spec, check_hit, close, frame_for, keys_for, open_spec,
@@ -260,3 +261,19 @@ def test_missing_liburing_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "liburing", None)
     with pytest.raises(ConfigError, match="pip install liburing"):
         make_engine("uring", 8)
+
+
+def test_bounce_buffers_are_never_shared_with_a_forked_child():
+    pool = BouncePool()
+    buf = pool.take(64 * KiB)
+    buf[:4] = b"mine"
+    pool.give(buf)
+    pid = os.fork()
+    if pid == 0:  # the child scribbles on whatever its pool hands out, then leaves
+        child = pool.take(64 * KiB)
+        child[:4] = b"kids"
+        buf[:4] = b"kids"  # even the inherited view is a private copy now
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    again = pool.take(64 * KiB)
+    assert again is buf and bytes(again[:4]) == b"mine"
