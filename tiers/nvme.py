@@ -26,6 +26,9 @@ Guarantees, on top of the contract of `tiers.base`:
   are the same by the key's definition, and a later miss is no different from an eviction.
 
 Engines (`io.engine`): `uring` (io_uring, `io.queue_depth` in flight) or `psync` (reference).
+Zero copy: a frame (put) or out buffer (get) that starts on a 4 KiB boundary and whose view
+reaches the next 4 KiB boundary after the frame (as `block.alloc_aligned` buffers do) goes to
+the disk as is; any other goes through a bounce buffer (one memcpy).
 """
 
 from __future__ import annotations
