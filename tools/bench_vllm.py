@@ -38,7 +38,7 @@ EXPECTED_TIER = {"dram": "dram", "nvme": "nvme", "shared": "shared"}
 class BenchSpec:
     sizes: tuple[int, ...] = (4096, 8192, 16384)
     repeats: int = 3
-    chunk_tokens: int = 256
+    chunk_tokens: int = 32  # = block_size: a hit as fine-grained as vLLM's own prefix cache
     block_size: int = 32
     dtype: str = "bfloat16"
     inproc: bool = True

@@ -15,7 +15,9 @@ from rich.table import Table
 
 def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in tokens"),
          repeats: int = typer.Option(3, min=1, help="prompts per size and case (median)"),
-         chunk_tokens: int = typer.Option(256, help="policy chunk_tokens"),
+         chunk_tokens: int = typer.Option(32, help="policy chunk_tokens (32 = vLLM's block "
+                                          "size: a remote hit recomputes what a local one "
+                                          "does)"),
          dtype: str = typer.Option("bfloat16", help="engine dtype (bfloat16, float32)"),
          multiproc: bool = typer.Option(False, "--multiproc", help="vLLM's multi-process "
                                         "engine (scheduler and worker apart; slow start)"),
