@@ -31,10 +31,8 @@ a delete can only see a torn frame, which verification turns into a miss.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -46,10 +44,10 @@ from kvtier.tiers.mooncake_client import (INVALID_PARAMS, MISS_CODES, NO_AVAILAB
                                           OK, TRANSFER_FAIL, MooncakeClient, buffer_address,
                                           is_down)
 from kvtier.tiers.mooncake_pipeline import MIN_CHUNK_BYTES, Chunk, plan_chunks, run_pipeline
+from kvtier.tiers.mooncake_usage import PoolUsage
 
 FULL_RETRIES = 4            # back-off steps on -200 before TierFullError
 ALREADY_EXISTS = -705
-METRICS_MAX_AGE_S = 1.0
 
 
 class MooncakeTier(Tier):
@@ -68,10 +66,7 @@ class MooncakeTier(Tier):
         # False sends every transfer through staging, registered or not (benchmarks, debugging).
         self.zero_copy = True
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{cfg.name}")
-        self._mine: dict[str, int] = {}  # frames this process put: key -> bytes
-        self._mine_lock = threading.Lock()
-        self.metrics_url: str | None = None  # set to override where usage is read from
-        self._metrics_cache = (0.0, 0)
+        self.usage = PoolUsage(cfg.capacity_bytes, self.client, ctx.master)
 
     # ---- the contract --------------------------------------------------------------------
 
@@ -87,7 +82,7 @@ class MooncakeTier(Tier):
             if code < 0:
                 self.stats.add(errors=1)
             out.append(code == 1)
-        self._forget([k for k, hit in zip(keys, out) if not hit])
+        self.usage.forget([k for k, hit in zip(keys, out) if not hit])
         return out
 
     def put(self, keys: Sequence[str], frames: Sequence[memoryview]) -> list[bool]:
@@ -121,7 +116,10 @@ class MooncakeTier(Tier):
                     full.append(i)
                 elif not done[i]:
                     self.stats.add(errors=1)
-            self._account([keys[i] for i in todo if done[i]], [sizes[i] for i in todo if done[i]])
+            new, nbytes = self.usage.stored([keys[i] for i in todo if done[i]],
+                                            [sizes[i] for i in todo if done[i]])
+            if new:  # Mooncake answers 0 for a key it holds: count keys new to this process
+                self.stats.add(puts=new, bytes_in=nbytes)
             if not full:
                 return done
             todo = full
@@ -178,7 +176,7 @@ class MooncakeTier(Tier):
         hits = [n for n in result if n != MISS]
         self.stats.add(hits=len(hits), misses=len(keys) - len(hits), corrupt=len(corrupt),
                        bytes_out=sum(hits) + HEADER_SIZE * len(hits))
-        self._forget([k for k, n in zip(keys, result) if n == MISS])
+        self.usage.forget([k for k, n in zip(keys, result) if n == MISS])
         return result
 
     def delete(self, keys: Sequence[str]) -> int:
@@ -191,16 +189,12 @@ class MooncakeTier(Tier):
             if is_down(code):
                 raise self.client.fail("batch_remove", code)
             removed += code == OK
-        self._forget(keys)
+        self.usage.forget(keys)
         self.stats.add(deletes=removed)
         return removed
 
     def used_bytes(self) -> int:
-        measured = self._metrics_used()
-        if measured is not None:
-            return measured
-        with self._mine_lock:
-            return min(self.capacity_bytes, sum(self._mine.values()))
+        return self.usage.used_bytes()
 
     def register(self, buf) -> None:
         """Register `buf` so puts from it and gets into it skip the staging copy."""
@@ -279,55 +273,7 @@ class MooncakeTier(Tier):
             store.batch_remove(keys, True)
         if self.ctx.index is not None:
             self.ctx.index.delete(self.name, keys)
-        self._forget(keys)
-
-    def _account(self, keys: list[str], sizes: list[int]) -> None:
-        """Remember what this process stored; count a put only for a key new to it (Mooncake
-        answers 0 for a key it already holds, without a transfer, so the pool cannot tell)."""
-        new = nbytes = 0
-        with self._mine_lock:
-            mine = self._mine
-            for key, size in zip(keys, sizes):
-                if key not in mine:
-                    new, nbytes = new + 1, nbytes + size
-                mine[key] = size
-        if new:
-            self.stats.add(puts=new, bytes_in=nbytes)
-
-    def _forget(self, keys: Sequence[str]) -> None:
-        if keys and self._mine:
-            with self._mine_lock:
-                for key in keys:
-                    self._mine.pop(key, None)
-
-    def _find_metrics_url(self) -> str | None:
-        """The master's metrics endpoint, where known: set, owned, or in its flags."""
-        if self.metrics_url:
-            return self.metrics_url
-        owned = self.client.owned_master
-        if owned is not None:
-            return owned.metrics_url
-        port = self.ctx.master.extra_flags.get("metrics_port")
-        return f"http://{self.ctx.master.host}:{port}/metrics" if port else None
-
-    def _metrics_used(self) -> int | None:
-        """Bytes allocated in this process's segment, from the master's metrics endpoint."""
-        url = self._find_metrics_url()
-        if not url:
-            return None
-        at, value = self._metrics_cache
-        if time.monotonic() - at < METRICS_MAX_AGE_S:
-            return value
-        try:
-            with urllib.request.urlopen(url, timeout=0.5) as resp:
-                text = resp.read().decode()
-        except OSError:
-            return None  # metrics down: fall back to what this process put
-        pattern = rf'^segment_allocated_bytes\{{segment="{re.escape(self.client.segment)}"\}} (\S+)'
-        m = re.search(pattern, text, re.M)
-        value = int(float(m.group(1))) if m else 0
-        self._metrics_cache = (time.monotonic(), value)
-        return value
+        self.usage.forget(keys)
 
 
 def _frame_len(key: str, view: memoryview) -> int:

@@ -234,7 +234,7 @@ def test_embedded_master_is_started_when_none_answers(tmp_path):
         # only one in this pool).
         assert len(frames[0]) <= tier.used_bytes() <= tier.capacity_bytes
         tier.delete(keys)
-        tier._metrics_cache = (0.0, 0)  # read again now, not in a second
+        tier.usage.refresh()  # read the endpoint again now, not in a second
         assert tier.used_bytes() == 0
     finally:
         tier.close()
