@@ -1,17 +1,19 @@
 """Scheduler side: which chunks of a request to load from kvtier and which to save.
 
 - `get_num_new_matched_tokens`: keys for the request's full chunks (leaving at least one
-  token to compute), one batched `store.lookup` of the chunks beyond vLLM's local hit, and
-  the hit beyond the local hit, loaded asynchronously. The hit is in whole chunks; a chunk
-  that starts inside the local hit is loaded without overwriting the local blocks.
+  token to compute), one batched `store.lookup` of the whole chain (the store attaches the
+  request to its session by it), and the part of the hit beyond vLLM's local hit, loaded
+  asynchronously. The hit is in whole chunks; a chunk that starts inside the local hit is
+  loaded without overwriting the local blocks.
 - `update_state_after_alloc`: turns the hit into a `LoadJob` over the allocated blocks.
 - `build_connector_meta`: tracks every scheduled request's block ids, and emits a `SaveJob`
   for each chunk whose KV is complete after this step and not known to be in kvtier
   (chunks loaded from kvtier or covered by a local hit are not saved again).
 - `request_finished`: saves the last complete chunks if any are left (their token ids only
   became known now), keeping the request's blocks (returns True) until the worker has
-  gathered them and reports `finished_sending`. Session hints from `kv_transfer_params`
-  ride along to the store.
+  gathered them and reports `finished_sending`; tells the store the turn ended
+  (`store.finish` with the keys it looked up). Session hints from `kv_transfer_params`
+  ride along to lookup, save and finish; without them the store infers the session.
 
 A preempted request is looked up again when it resumes, so what it saved comes back from
 kvtier instead of being recomputed.
@@ -64,6 +66,7 @@ class _Req:
     plan: _Plan | None = None
     sources: dict[CacheHitSource, int] = field(default_factory=dict)
     tier_tokens: dict[str, int] = field(default_factory=dict)
+    looked_up: list[str] = field(default_factory=list)  # the keys of the last lookup
     saved_chunks: int = 0
     scheduled: bool = False      # its blocks hold computed (or loaded) KV
 
@@ -102,26 +105,29 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         st = self._state(request)
         limit = (request.num_tokens - 1) // self.chunk  # keep >= 1 token to compute
-        first = num_computed // self.chunk
-        if st is None or first >= limit:
+        if st is None or limit == 0:
             return 0, False
+        # The whole chain from the first chunk, also when vLLM holds a prefix locally: the
+        # store attaches the request to its session by it, and touches what is held.
         keys = self._keys(st, limit)
         t0 = time.perf_counter()
         try:
-            found = self.store.lookup(keys[first:], st.hint)
+            found = self.store.lookup(keys, st.hint)
         except KVTierError as e:
             log.warning("kvtier: lookup failed, serving request %s without it: %s",
                         request.request_id, e)
             return 0, False
+        st.looked_up = keys
         log.debug("kvtier: lookup %s: %d of %d chunks in %.2f ms", request.request_id,
-                  found.hit_blocks, limit - first, (time.perf_counter() - t0) * 1e3)
+                  found.hit_blocks, limit, (time.perf_counter() - t0) * 1e3)
+        first = num_computed // self.chunk
         self.stats.add("lookups")
-        self.stats.add("lookup_tokens", limit * self.chunk - num_computed)
-        external = (first + found.hit_blocks) * self.chunk - num_computed
-        if found.hit_blocks == 0 or external <= 0:
+        self.stats.add("lookup_tokens", max(0, limit * self.chunk - num_computed))
+        external = found.hit_blocks * self.chunk - num_computed
+        if found.hit_blocks <= first or external <= 0:
             st.plan = None
             return 0, False
-        st.plan = _Plan(num_computed, first, found.hit_blocks, found.tiers)
+        st.plan = _Plan(num_computed, first, found.hit_blocks - first, found.tiers[first:])
         return external, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
@@ -220,10 +226,9 @@ class SchedulerSide:
         # never scheduled (aborted while loading): its blocks hold nothing to save
         hold = st.scheduled and self._plan_save(st, request.num_computed_tokens,
                                                 list(block_ids))
-        done = min(request.num_computed_tokens, request.num_tokens) // self.chunk
-        if done:
+        if st.looked_up:  # the store knows the request by the keys it looked up
             try:
-                self.store.finish(self._keys(st, done), st.hint)
+                self.store.finish(st.looked_up, st.hint)
             except KVTierError as e:
                 log.warning("kvtier: session bookkeeping failed for %s: %s",
                             request.request_id, e)

@@ -189,3 +189,15 @@ def test_preempted_requests_resume_from_kvtier(engines, cluster):
     assert resumed, "expected preemption: raise the load or shrink num_blocks"
     assert [o.token_ids for o in outs] == \
         [engines.baseline(p, 400).token_ids for p in prompts]
+
+
+@pytest.mark.slow
+def test_multiprocess_engine_loads_a_16k_prompt(engines, cluster):
+    """vLLM's default layout: scheduler and worker in separate processes (metadata pickled)."""
+    prompt = random_prompt(8, 16000)
+    served(node(engines, cluster, "a"), prompt)
+    mp = engines.get("mp", cluster.transfer_config("mp"), inproc=False)
+    out = served(mp, prompt)
+    assert set(tier_hits(out)) <= {"dram", "nvme", "shared"} and tier_hits(out)
+    assert out.num_cached_tokens >= 0.9 * full_block_tokens(prompt)
+    assert out.token_ids == engines.baseline(prompt, TOKENS).token_ids

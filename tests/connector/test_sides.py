@@ -221,3 +221,21 @@ def test_request_aborted_while_loading_saves_nothing_and_holds_nothing(sides):
     while not recving:  # the load still completes and is reported (vLLM frees then)
         _, recving = sides.worker.get_finished(set())
     assert recving == {"r2"}
+
+
+def test_session_hints_reach_the_store_and_later_turns_are_inferred(sides):
+    from kvtier.store.session_store import read_sessions
+    turn1 = random_prompt(6, 300)
+    hint = {"kvtier": {"session_id": "agent-7", "expected_gap_s": 3.0}}
+    for req_id, tokens, params in (("t1", turn1, hint), ("t2", turn1 + random_prompt(7, 200),
+                                                        None)):
+        r = request(req_id, tokens, params=params)
+        sides.sched.get_num_new_matched_tokens(r, 0)
+        ids = list(range(len(tokens) // BS + 1))
+        sides.sched.update_state_after_alloc(r, blocks(ids), 0)
+        run_worker(sides.worker, step(sides.sched, [(req_id, ids, 0)], {req_id: len(tokens)}))
+        r.num_computed_tokens = len(tokens)
+        sides.sched.request_finished(r, ids)
+        chains = {sid: chain for sid, _, chain in read_sessions(sides.sched.store.index)}
+        assert set(chains) == {"agent-7"}  # the second turn was attached without a hint
+        assert len(chains["agent-7"]) == (len(tokens) - 1) // CHUNK
