@@ -21,7 +21,8 @@ Measured (mooncake-transfer-engine-non-cuda 0.3.13.post1, loopback TCP): after t
 killed, gets and `batch_is_exist` answer -900 at once and a put answers -900 after ~4 s of
 retries; after it restarts the old client remounts its segment by itself within ~2 s, with
 puts answering -200 until then; objects of a client that died answer -800 (transfer failed)
-for ~10 s (the master's client TTL), then -704; `close()` takes ~2 s.
+for ~10 s (the master's client TTL), then -704; `close()` takes ~2 s, and calls on the new
+client wait for it (a lock inside Mooncake), so a reconnect stalls the tier for ~2 s once.
 """
 
 from __future__ import annotations

@@ -323,3 +323,24 @@ def test_a_key_twice_in_one_get_fills_both_buffers(pool):
     assert [bytes(o) for o in outs] == [bytes(frames[k]) for k in (0, 1, 0, 0)]
     assert pool.counters()["corrupt"] == before
     pool.delete(keys)
+
+
+def test_embedded_master_killed_is_replaced_by_the_next_call(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    tiers = [{"name": "dram", "kind": "mooncake", "capacity": "16MiB", "staging": "8MiB"}]
+    policy = make_policy(tmp_path, master_address=address, tiers=tiers,
+                         master={"address": address, "embedded": True})
+    tier = open_tier(policy.tiers[0], TierContext(Index(tmp_path / "ix", 16 << 20), "t",
+                                                  policy.master))
+    first = tier.client.owned_master
+    try:
+        keys, frames = frames_for(1, 4096)
+        assert tier.contains(keys) == [False]  # in use: its RPC connection is up
+        first.kill()
+        with pytest.raises(TierUnavailableError):
+            tier.contains(keys)  # (a put would first spend ~4 s in Mooncake's retries)
+        assert tier.put(keys, frames) == [True]  # reconnect started a master of its own
+        assert tier.client.owned_master is not first and tier.client.owned_master.alive()
+    finally:
+        tier.close()
+        tier.client.owned_master.stop()
