@@ -21,7 +21,8 @@ frame header, and the `C` rows let the tier drop those entries even after a cras
 A region is reclaimed only when none of its blocks is PENDING for a live writer: the writer
 reserves its entries, then re-checks the generation before writing a byte, so a reclaimer
 either sees the reservation and skips the region, or bumps the generation first and the writer
-aborts. Open regions of dead writers are parked and adopted by the next writer that needs room.
+aborts. Open regions of dead writers are parked (at open, and by every writer once a minute)
+and adopted by the next writer that needs room.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from kvtier.tiers.region_rows import (BLK, OPEN, RETIRED, SEALED, SEQ, SLOT, All
                                       Region, orphaned, pack_loc, unpack_loc)
 
 __all__ = ["Allocation", "NoRegionError", "RegionTable", "pack_loc", "unpack_loc"]
+ORPHAN_SCAN_S = 60.0  # how often a long-running writer looks for regions of dead writers
 
 class NoRegionError(Exception):
     """Every region is open by a live writer or has writes in flight."""
@@ -49,6 +51,7 @@ class RegionTable:
         self.index, self.tier = index, tier
         self.n_regions, self.region_bytes = n_regions, region_bytes
         self._tid = index.tier_id(tier)
+        self._orphan_scan_at = time.monotonic()  # recover() at open has just done one
         self._mine: tuple[int, float] | None = None  # (slot, opened_at) of this process's region
         self._pid = os.getpid()
 
@@ -147,6 +150,10 @@ class RegionTable:
 
     def _take(self, txn, out: Allocation) -> Region:
         """A region for this process: a parked one, a fresh one, or the oldest reclaimable."""
+        if time.monotonic() - self._orphan_scan_at > ORPHAN_SCAN_S:
+            # Writers that died since the last scan hold open regions nobody would reclaim.
+            self._orphan_scan_at = time.monotonic()
+            self._park_dead(txn)
         for attempt in range(2):
             r = self._adopt(txn) or self._fresh(txn) or self._reclaim(txn, out)
             if r is not None:

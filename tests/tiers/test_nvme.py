@@ -19,6 +19,7 @@ from kvtier.store.index_record import Entry
 from kvtier.tiers import MISS
 from kvtier.tiers.buffers import BouncePool
 from kvtier.tiers.io_engines import IOOp, make_engine
+from kvtier.tiers import regions
 from kvtier.tiers.regions import pack_loc, unpack_loc
 from tier_factories import (KiB, MiB, Spec, check_hit, close, frame_for, keys_for, open_spec,
                             out_for)
@@ -130,6 +131,23 @@ def test_dead_writer_leaves_no_pending_entry_and_its_region_is_adopted(spec):
         for b in range(0, 40, 4):  # two and a half times around: nothing is stuck
             assert put(tier, keys_for(400 + b, 4)) == [True] * 4
         assert tier.used_bytes() <= tier.capacity_bytes
+    finally:
+        close(tier)
+
+
+def test_running_writer_adopts_the_region_of_a_writer_that_died_later(spec, monkeypatch):
+    tier = open_spec(spec)  # open before the other writer starts, so no recovery at open
+    try:
+        put(tier, keys_for(0, 1))
+        out = subprocess.run([sys.executable, "-c", _DEAD_WRITER, os.path.dirname(__file__),
+                              spec.factory, spec.root], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        slot, end = map(int, out.stdout.split())
+        monkeypatch.setattr(regions, "ORPHAN_SCAN_S", 0.0)
+        put(tier, keys_for(1, 4))  # the fourth needs a region: the dead writer's is adopted
+        e = tier.test_index.get("nvme", keys_for(4, 1))[0]
+        assert (unpack_loc(e.loc_a)[0], e.loc_b) == (slot, end)
     finally:
         close(tier)
 
