@@ -9,7 +9,7 @@ Layout under the tier root:
   key each rename a complete file; the last rename wins and both files hold the same bytes.
   Temps older than `stale_temp_after_s` were left by a crash and are swept.
 - `.quarantine/<key>.<node>.<ns>.kvb`: frames that failed verification, moved aside for a
-  human to look at (`kvtier inspect` or by hand); nothing reads them.
+  human to look at; nothing reads them.
 
 Safety: directories are created 0700 and files `file_mode` (0600); every open uses O_NOFOLLOW
 and fan-out directories are checked with lstat on first use, so a symlink planted in the tree
