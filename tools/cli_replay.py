@@ -69,7 +69,7 @@ def replay(
     policies: str = typer.Option("lru,s3fifo,arc,agentic", help="policies besides belady"),
     capacities: str = typer.Option("0.005,0.01,0.02,0.05,0.1,0.2,0.4",
                                    help="capacities as fractions of the unique footprint"),
-    tiered: str = typer.Option("0.02,0.1,1.0", help="dram,nvme,sharedfs fractions for the "
+    tiered: str = typer.Option("0.005,0.05,1.0", help="dram,nvme,sharedfs fractions for the "
                                "tiered variant ('none' to skip)"),
     traces: Path = typer.Option(Path(os.environ.get("KVTIER_TRACES", "../shared/traces")),
                                 help="folder with weka_cc_traces/ and conversation_trace.jsonl"),

@@ -40,7 +40,7 @@ class RunSpec:
     workloads: tuple[str, ...] = ("synthetic", "weka", "conversation")
     policies: tuple[str, ...] = ("lru", "s3fifo", "arc", "agentic")
     capacities: tuple[float, ...] = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4)
-    tiered: tuple[float, float, float] | None = (0.02, 0.1, 1.0)
+    tiered: tuple[float, float, float] | None = (0.005, 0.05, 1.0)
     traces: Path = Path("../shared/traces")
     synthetic: SyntheticSpec = field(default_factory=SyntheticSpec)
     weka_live: int = 32
@@ -79,7 +79,7 @@ def load(name: str, spec: RunSpec) -> Compiled:
 
 def _cache_key(name: str, path: Path, spec: RunSpec) -> str:
     files = sorted(path.glob("trace_*.json*")) if path.is_dir() else [path]
-    h = hashlib.sha256(repr((name, spec.weka_live, spec.weka_chunk_tokens, spec.seed, 2)).encode())
+    h = hashlib.sha256(repr((name, spec.weka_live, spec.weka_chunk_tokens, spec.seed, 3)).encode())
     for f in files:
         st = f.stat() if f.exists() else None
         h.update(f"{f.name}:{st and st.st_size}:{st and st.st_mtime_ns}".encode())
