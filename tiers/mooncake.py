@@ -39,11 +39,12 @@ from typing import Sequence
 from kvtier.store.block import HEADER_SIZE, alloc_aligned, parse_header, verify
 from kvtier.store.config import MooncakeTierConfig
 from kvtier.store.errors import CorruptBlockError
+from kvtier.tiers import mooncake_check
 from kvtier.tiers.base import MISS, Tier, full_error
 from kvtier.tiers.mooncake_client import (INVALID_PARAMS, MISS_CODES, NO_AVAILABLE_HANDLE,
                                           OK, TRANSFER_FAIL, MooncakeClient, buffer_address,
                                           is_down)
-from kvtier.tiers.mooncake_pipeline import MIN_CHUNK_BYTES, Chunk, plan_chunks, run_pipeline
+from kvtier.tiers.mooncake_pipeline import Chunk, plan_chunks, run_pipeline, worth_pipelining
 from kvtier.tiers.mooncake_usage import PoolUsage
 
 FULL_RETRIES = 4            # back-off steps on -200 before TierFullError
@@ -196,6 +197,12 @@ class MooncakeTier(Tier):
     def used_bytes(self) -> int:
         return self.usage.used_bytes()
 
+    def check(self, progress=None):
+        return mooncake_check.check(self, progress)
+
+    def repair(self, problems) -> int:
+        return mooncake_check.repair(self, problems)
+
     def register(self, buf) -> None:
         """Register `buf` so puts from it and gets into it skip the staging copy."""
         self.client.register(buf)
@@ -213,7 +220,7 @@ class MooncakeTier(Tier):
         registered = self.client.registered
         direct = [self.zero_copy and registered(a, n) for a, n in zip(addrs, sizes)]
         call = "batch_put_from" if op == "put" else "batch_get_into"
-        if all(direct) and (op == "put" or sum(sizes) <= MIN_CHUNK_BYTES):
+        if all(direct) and (op == "put" or not worth_pipelining(sum(sizes))):
             # One call, nothing to stage or to overlap: skip the pipeline's bookkeeping,
             # which is a sizeable share of a 256 KiB call (~0.1-0.2 ms in Mooncake).
             with self.client.session() as store:
