@@ -5,17 +5,25 @@ and its tiers the way any process of the node does, never start a master, and sk
 when no master answers. `check` changes nothing; `fix=True` removes what cannot be trusted
 (index entries without bytes, bytes without entries, frames that fail verification, PENDING
 entries of dead writers, stale temp files) so that a second check comes back clean.
+
+Tiers are opened with `TierContext(recover=False)`: their open-time crash recovery (dropping
+dead writers' PENDING entries, sweeping stale temps) would otherwise clean the very leftovers
+a check must report. The pool is opened only when the index records blocks of it (it records
+none in this version; `tiers.mooncake_check`): an open client lends a segment to the pool and
+takes it back at exit, with whatever running instances had put in it.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass, field
 
 from kvtier.store.config import Policy
 from kvtier.store.errors import KVTierError
 from kvtier.store.index import Index
-from kvtier.store.index_record import PENDING, READY, owner_alive
+from kvtier.store.check_index import dead_pending, fix_stats, stats_problems
+from kvtier.store.index_record import READY
 from kvtier.store.master import master_answers
 from kvtier.store.session_store import referenced_keys
 from kvtier.tiers import Tier, TierContext, open_tier
@@ -43,22 +51,20 @@ def open_index(policy: Policy) -> Index:
                  policy.index.max_map_size_bytes, recover=False)
 
 
-def dead_pending(index: Index) -> list[Problem]:
-    """PENDING entries whose writer is gone."""
-    out = []
-    for e in index.scan(states=(PENDING,)):
-        if not owner_alive(e.owner_pid, e.created):
-            out.append(Problem("pending", e.tier, e.key,
-                               detail=f"writer pid {e.owner_pid} is gone"))
-    return out
-
-
 def open_tiers(policy: Policy, index: Index, report: CheckReport,
-               node_id: str = "inspect") -> list[Tier]:
-    """Every tier that can be opened without side effects on the cluster."""
-    ctx = TierContext(index, node_id, policy.master)
+               node_id: str | None = None) -> list[Tier]:
+    """Every tier that can be opened without side effects on the cluster, without recovery.
+
+    `node_id` must be the one this node's instances use (`TieredStore`'s default, the host
+    name): a sharedfs temp file of this node whose writer pid is gone is stale at once.
+    """
+    ctx = TierContext(index, node_id or socket.gethostname(), policy.master, recover=False)
     tiers = []
     for cfg in policy.tiers:
+        if cfg.kind == "mooncake" and index.tier_usage(cfg.name)[0] == 0:
+            report.skipped[cfg.name] = "the index records no blocks of the pool (the master " \
+                                       "keeps its metadata); nothing to check on this node"
+            continue
         if cfg.kind == "mooncake" and not master_answers(policy.master.address):
             report.skipped[cfg.name] = f"no master answers at {policy.master.address}"
             continue
@@ -69,21 +75,18 @@ def open_tiers(policy: Policy, index: Index, report: CheckReport,
     return tiers
 
 
-def check_node(policy: Policy, fix: bool = False, progress=None) -> CheckReport:
+def check_node(policy: Policy, fix: bool = False, progress=None,
+               node_id: str | None = None) -> CheckReport:
     """Index vs tier contents vs checksums; with `fix`, repair and re-check."""
     report = CheckReport()
     index = open_index(policy)
     try:
-        report.problems.extend(dead_pending(index))
-        tiers = open_tiers(policy, index, report)
+        tiers = open_tiers(policy, index, report, node_id)
         try:
-            for tier in tiers:
-                report.problems.extend(tier.check(progress))
+            report.problems = _scan(index, tiers, progress)
             if fix and report.problems:
                 report.fixed = _repair(index, tiers, report.problems)
-                report.problems = dead_pending(index)
-                for tier in tiers:
-                    report.problems.extend(tier.check(progress))
+                report.problems = _scan(index, tiers, progress)
         finally:
             for tier in tiers:
                 tier.close()
@@ -92,50 +95,81 @@ def check_node(policy: Policy, fix: bool = False, progress=None) -> CheckReport:
     return report
 
 
+def _scan(index: Index, tiers: list[Tier], progress) -> list[Problem]:
+    problems = dead_pending(index) + stats_problems(index)
+    for tier in tiers:
+        problems.extend(tier.check(progress))
+    return problems
+
+
 def _repair(index: Index, tiers: list[Tier], problems: list[Problem]) -> int:
+    """Dead PENDING entries first (as an open would), then each tier's, then the counters
+    (last: dropping an entry whose size was wrong subtracts the wrong size)."""
     fixed = len(index.recover()) if any(p.kind == "pending" for p in problems) else 0
     for tier in tiers:
-        fixed += tier.repair([p for p in problems if p.tier == tier.name and
-                              p.kind != "pending"])
-    return fixed
+        mine = [p for p in problems if p.tier == tier.name and p.kind not in ("pending", "stats")]
+        if mine:
+            fixed += tier.repair(mine)
+    return fixed + fix_stats(index)
 
 
 def gc_node(policy: Policy, min_age_s: float = 3600.0, shared: bool = False,
-            dry_run: bool = False, progress=None) -> dict:
-    """Remove orphans, stale temp files, and blocks no stored session references.
+            dry_run: bool = False, progress=None, quarantine_age_s: float = 86400.0,
+            node_id: str | None = None) -> dict:
+    """Remove orphans, stale temp files, dead PENDING entries, entries without trustworthy
+    bytes, quarantined frames older than `quarantine_age_s`, and blocks no stored session
+    references.
 
-    Unreferenced blocks older than `min_age_s` go from node-local tiers; from shared tiers
-    only with `shared=True` (another node's sessions may still use them).
+    Unreferenced blocks whose last access is older than `min_age_s` go from node-local tiers;
+    from shared tiers only with `shared=True` (another node's sessions may still use them).
+    Size and checksum disagreements are left to `check --fix`, which says what it drops.
     """
     report = CheckReport()
     index = open_index(policy)
-    result = {"orphans": 0, "stale_temp": 0, "pending": 0, "unreferenced": 0,
-              "unreferenced_bytes": 0, "skipped": report.skipped, "dry_run": dry_run}
+    result = {"orphans": 0, "stale_temp": 0, "pending": 0, "bad_entries": 0, "quarantine": 0,
+              "unreferenced": 0, "unreferenced_bytes": 0, "skipped": report.skipped,
+              "dry_run": dry_run}
     try:
-        tiers = open_tiers(policy, index, report)
+        tiers = open_tiers(policy, index, report, node_id)
         try:
-            junk = dead_pending(index)
+            _collect_junk(index, tiers, result, dry_run, progress)
             for tier in tiers:
-                junk.extend(p for p in tier.check(progress)
-                            if p.kind in ("orphan", "stale_temp", "missing", "corrupt"))
-            for kind in ("orphan", "stale_temp", "pending"):
-                result[kind] = sum(1 for p in junk if p.kind == kind)
-            if not dry_run and junk:
-                _repair(index, tiers, junk)
-            keep = referenced_keys(index)
-            cutoff = time.time() - min_age_s
-            for tier in tiers:
-                if tier.kind != "nvme" and not (shared and tier.kind == "sharedfs"):
-                    continue
-                stale = [e for e in index.scan(tier.name, states=(READY,))
-                         if e.key not in keep and e.last_access < cutoff]
-                result["unreferenced"] += len(stale)
-                result["unreferenced_bytes"] += sum(e.size for e in stale)
-                if not dry_run and stale:
-                    tier.delete([e.key for e in stale])
+                sweep = getattr(tier, "sweep_quarantine", None)  # tiers that quarantine files
+                if sweep is not None:
+                    result["quarantine"] += sweep(quarantine_age_s, dry_run)
+            _collect_unreferenced(index, tiers, result, min_age_s, shared, dry_run)
         finally:
             for tier in tiers:
                 tier.close()
     finally:
         index.close()
     return result
+
+
+def _collect_junk(index: Index, tiers: list[Tier], result: dict, dry_run: bool,
+                  progress) -> None:
+    junk = dead_pending(index)
+    for tier in tiers:
+        junk.extend(p for p in tier.check(progress)
+                    if p.kind in ("orphan", "stale_temp", "missing", "corrupt"))
+    counts = {"orphans": ("orphan",), "stale_temp": ("stale_temp",), "pending": ("pending",),
+              "bad_entries": ("missing", "corrupt")}
+    for name, kinds in counts.items():
+        result[name] = sum(1 for p in junk if p.kind in kinds)
+    if not dry_run and junk:
+        _repair(index, tiers, junk)
+
+
+def _collect_unreferenced(index: Index, tiers: list[Tier], result: dict, min_age_s: float,
+                          shared: bool, dry_run: bool) -> None:
+    keep = referenced_keys(index)
+    cutoff = time.time() - min_age_s
+    for tier in tiers:
+        if tier.kind != "nvme" and not (shared and tier.kind == "sharedfs"):
+            continue
+        stale = [e for e in index.scan(tier.name, states=(READY,))
+                 if e.key not in keep and e.last_access < cutoff]
+        result["unreferenced"] += len(stale)
+        result["unreferenced_bytes"] += sum(e.size for e in stale)
+        if not dry_run and stale:
+            tier.delete([e.key for e in stale])

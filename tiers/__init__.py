@@ -23,11 +23,17 @@ TIER_IMPLS: dict[str, tuple[str, str]] = {
 
 @dataclass(frozen=True)
 class TierContext:
-    """What a tier needs besides its own config: the node's index and identity."""
+    """What a tier needs besides its own config: the node's index and identity.
+
+    `recover`: run crash recovery at open (drop dead writers' PENDING entries, adopt their
+    regions, sweep stale temp files). `kvtier inspect check` opens tiers with False, so the
+    leftovers are still there to be reported (and repaired only with `--fix`).
+    """
 
     index: Index
     node_id: str
     master: MasterConfig
+    recover: bool = True
 
 
 def open_tier(cfg, ctx: TierContext) -> Tier:

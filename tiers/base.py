@@ -76,7 +76,8 @@ class Problem:
     kinds: `missing` (index entry, no bytes), `orphan` (bytes or files no entry explains),
     `size` / `checksum` (entry and stored frame disagree), `corrupt` (frame fails
     verification), `pending` (a dead writer's PENDING entry), `stale_temp` (a temp file left
-    by a dead writer).
+    by a dead writer), `region` (nvme: the region table and an entry disagree on what lies
+    where), `stats` (a tier's usage counters disagree with its entries).
     """
 
     kind: str

@@ -43,7 +43,7 @@ from kvtier.store import block
 from kvtier.store.config import NvmeTierConfig
 from kvtier.store.errors import ConfigError, CorruptBlockError, TierError, TierUnavailableError
 from kvtier.store.index_record import PENDING, READY, Entry, owner_alive
-from kvtier.tiers import TierContext
+from kvtier.tiers import TierContext, nvme_check
 from kvtier.tiers.buffers import BouncePool, checked_header, round_up
 from kvtier.tiers.base import MISS, Tier, full_error
 from kvtier.tiers.io_engines import IOOp, make_engine
@@ -72,25 +72,31 @@ class NvmeTier(Tier):
                               f"region_size {recorded} bytes, the policy says "
                               f"{self.region_bytes}; restore region_size or use a new path "
                               "and index")
-        self._fd = self._open_data()
+        self._fd = self._open_data(create=ctx.recover)
         try:
             self._engine = make_engine(cfg.io.engine, cfg.io.queue_depth)
         except BaseException:
-            os.close(self._fd)
+            if self._fd >= 0:
+                os.close(self._fd)
             raise
         self._closed = False
-        self.index.recover()
-        self.regions.recover()
-        self.regions.drop_reclaimed()
+        if ctx.recover:  # a check opens without it: it must see the leftovers (nvme_check)
+            self.index.recover()
+            self.regions.recover()
+            self.regions.drop_reclaimed()
 
-    def _open_data(self) -> int:
+    def _open_data(self, create: bool = True) -> int:
+        """The data file, made and sized if need be; with `create` False (a check) opened
+        read-only as it is, -1 if it does not exist."""
         path = self.path / DATA_FILE
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        flags = os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY)
         if self.cfg.io.direct:
             flags |= os.O_DIRECT
         try:
             fd = os.open(path, flags, 0o600)
         except OSError as e:
+            if e.errno == errno.ENOENT and not create:
+                return -1
             if e.errno == errno.EINVAL and self.cfg.io.direct:
                 raise ConfigError(f"nvme tier {self.name!r}: the filesystem under {self.path} "
                                   "does not support O_DIRECT; use a local disk or set "
@@ -99,6 +105,8 @@ class NvmeTier(Tier):
                                        f"({e.strerror}); check the path and its permissions"
                                        ) from None
         size = self.n_regions * self.region_bytes
+        if not create:
+            return fd
         try:
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)  # sparse: disk blocks are taken as regions fill
@@ -173,13 +181,20 @@ class NvmeTier(Tier):
     def used_bytes(self) -> int:
         return self.index.tier_usage(self.name)[1]
 
+    def check(self, progress=None):
+        return nvme_check.check(self, progress)
+
+    def repair(self, problems) -> int:
+        return nvme_check.repair(self, problems)
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.regions.park_mine()
         self._engine.close()
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
         self._bounce.clear()
 
     # ---- writes ------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from kvtier.store.config import SharedFSTierConfig
 from kvtier.store.errors import ConfigError, CorruptBlockError, TierError
 from kvtier.store.index_record import PENDING, READY, Entry, owner_alive
 from kvtier.tiers import TierContext
+from kvtier.tiers import sharedfs_check
 from kvtier.tiers import sharedfs_files as files
 from kvtier.tiers.aioloop import LoopThread
 from kvtier.tiers.base import MISS, Tier, full_error
@@ -73,8 +74,9 @@ class SharedFSTier(Tier):
         self._loop = LoopThread(f"kvtier-{cfg.name}", IO_THREADS)
         self._stop = threading.Event()
         self._closed = False
-        self.index.recover()
-        self._sweep = self._loop.call(self._sweep_logged)
+        if ctx.recover:  # a check opens without it: it must see the leftovers (sharedfs_check)
+            self.index.recover()
+            self._sweep = self._loop.call(self._sweep_logged)
 
     # ---- the contract ------------------------------------------------------------------
 
@@ -165,6 +167,16 @@ class SharedFSTier(Tier):
             self._forget_keys([k for k in mine
                                if not files.is_file(files.block_path(self.root, k))])
         return total
+
+    def check(self, progress=None):
+        return sharedfs_check.check(self, progress)
+
+    def repair(self, problems) -> int:
+        return sharedfs_check.repair(self, problems)
+
+    def sweep_quarantine(self, older_than_s: float, dry_run: bool = False) -> int:
+        """Delete quarantined frames older than `older_than_s` (`inspect gc`)."""
+        return sharedfs_check.sweep_quarantine(self.root, older_than_s, dry_run)
 
     def sweep_temps(self) -> int:
         """Delete temp files older than `stale_temp_after_s` (left by crashed writers)."""

@@ -221,15 +221,24 @@ def _render_check(console: Console, data: dict) -> None:
 def gc(policy: Optional[Path] = POLICY,
        min_age_s: float = typer.Option(3600.0, help="keep unreferenced blocks younger than this"),
        shared: bool = typer.Option(False, help="also collect unreferenced blocks on sharedfs"),
+       quarantine_age_s: float = typer.Option(
+           86400.0, help="delete quarantined frames moved aside longer ago than this"),
        dry_run: bool = typer.Option(False, "--dry-run", help="report only"),
        as_json: bool = JSON) -> None:
-    """Remove orphans, stale temp files, dead PENDING entries and unreferenced blocks."""
+    """Remove orphans, stale temp files, dead PENDING entries, entries without trustworthy
+    bytes, old quarantined frames and unreferenced blocks."""
     progress, update = _progress_bar()
     with progress:
         result = gc_node(load_policy(policy), min_age_s, shared, dry_run,
-                         None if as_json else update)
-    _emit(result, as_json, lambda console, d: console.print(
-        ("would remove" if d["dry_run"] else "removed") +
-        f": {d['orphans']} orphans, {d['stale_temp']} stale temp files, {d['pending']} dead "
-        f"PENDING, {d['unreferenced']} unreferenced blocks "
-        f"({format_size(d['unreferenced_bytes'])})"))
+                         None if as_json else update, quarantine_age_s)
+    _emit(result, as_json, _render_gc)
+
+
+def _render_gc(console: Console, d: dict) -> None:
+    for tier, why in d["skipped"].items():
+        console.print(f"[yellow]skipped {tier}[/yellow]: {why}")
+    console.print(("would remove" if d["dry_run"] else "removed") +
+                  f": {d['orphans']} orphans, {d['stale_temp']} stale temp files, "
+                  f"{d['pending']} dead PENDING, {d['bad_entries']} entries without good "
+                  f"bytes, {d['quarantine']} quarantined frames, {d['unreferenced']} "
+                  f"unreferenced blocks ({format_size(d['unreferenced_bytes'])})")
