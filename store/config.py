@@ -225,14 +225,16 @@ class Policy(BaseModel):
         last_rank = -1
         for i, tier in enumerate(self.tiers):
             if tier.name in names:
-                raise _field_error(f"tiers[{i}].name", f"duplicate tier name {tier.name!r}")
+                raise _field_error(f"tiers[{i}].name", f"duplicate tier name {tier.name!r}; "
+                                   "give each tier its own name")
             names.add(tier.name)
             rank = TIER_RANK[tier.kind]
             if rank < last_rank:
                 raise _field_error(f"tiers[{i}].kind", f"tiers must go fastest first "
                                    f"(mooncake, nvme, sharedfs); {tier.kind!r} comes too late")
             if rank == 0 and last_rank == 0:
-                raise _field_error(f"tiers[{i}].kind", "only one mooncake tier is allowed")
+                raise _field_error(f"tiers[{i}].kind",
+                                   "only one mooncake tier is allowed; remove the others")
             last_rank = rank
             path = getattr(tier, "path", None)
             if path is not None:

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ValidationError
 def format_validation_error(err: ValidationError, source: str, root: type[BaseModel]) -> str:
     """The first error of `err` as one line; the count of further errors is appended."""
     errors = err.errors(include_url=False)
+    # A misspelt key also makes the field it meant "missing": report the typo, the cause.
+    errors.sort(key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
     path, parent = _walk(first["loc"], root)
     message = _message(first, parent)
@@ -58,7 +60,7 @@ def _message(error: dict[str, Any], parent: type[BaseModel] | None) -> str:
         return "required field is missing"
     if kind == "union_tag_invalid":
         ctx = error["ctx"]
-        return f"unknown kind {ctx['tag']!r}; known kinds: {ctx['expected_tags']}"
+        return f"unknown kind {ctx['tag']!r}; expected one of: {ctx['expected_tags']}"
     if kind == "union_tag_not_found":
         return "a 'kind' field is required"
     text = error["msg"]
@@ -67,6 +69,8 @@ def _message(error: dict[str, Any], parent: type[BaseModel] | None) -> str:
             text = text[len(prefix):]
     if kind == "value_error":
         return text
+    if kind == "path_type":
+        return f"expected a file path, got {_short(got)}"
     return f"{text[0].lower()}{text[1:]}, got {_short(got)}"
 
 
