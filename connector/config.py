@@ -63,5 +63,15 @@ def parse_extra_config(extra: Any) -> ConnectorConfig:
     if cfg.policy is not None:
         policy = policy_from_dict(cfg.policy, source=f"{SOURCE}.policy")
     else:
-        policy = load_policy(cfg.kvtier_config)
+        policy = load_policy(_policy_file(cfg.kvtier_config))
     return ConnectorConfig(policy, cfg.node_id, cfg.staging_buffer_bytes, cfg.staging_buffers)
+
+
+def _policy_file(path: Path | None) -> Path | None:
+    """`kvtier_config`, checked: a path that is no readable file is this field's fault."""
+    if path is None or path.is_file():
+        return path
+    what = "a directory, not a policy file" if path.is_dir() else \
+        f"no such policy file (looked at {path.absolute()})"
+    raise ConfigError(f"{SOURCE}: kvtier_config: {path}: {what}; point kvtier_config at a "
+                      "policy YAML file, or omit it for the default policy")
