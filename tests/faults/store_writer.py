@@ -1,0 +1,58 @@
+"""A child process of the fault suite: one `TieredStore` saving, re-saving and reading.
+
+Usage: `python store_writer.py JOB_JSON`. The job names the policy (a dict), the node id, the
+requests to save (`first`, `count`: request ids `r<first>`...; `blocks` chunks each of
+`size` bytes) and how many earlier requests to read back and re-save (`reread`). Prints one
+JSON line per step so the parent knows how far it got before it kills the process:
+- `{"ready": pid}` once the store is open (its index recovered),
+- `{"saved": request, "keys": [...]}` after `save` returned for those keys,
+- `{"read": request, "hits": n, "wrong": [...]}` after loading an earlier request,
+- `{"done": counters}` after a clean close (only when not killed first).
+With `"forever": true` it keeps going until it is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+from fault_util import frame_for, load_checked, make, request_keys
+from kvtier.store.tiered import SessionHint, TieredStore
+
+
+def say(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def run(job: dict) -> None:
+    store = TieredStore(make(job["policy"]), node_id=job.get("node", "node-a"))
+    rng = random.Random(job.get("seed", 0))
+    say({"ready": os.getpid()})
+    size, blocks = job["size"], job["blocks"]
+    r, end = job["first"], job["first"] + job.get("count", 0)
+    try:
+        while job.get("forever") or r < end:
+            rid = f"r{r}"
+            keys = request_keys(rid, blocks)
+            hint = SessionHint(session_id=f"s{r % 3}")
+            store.lookup(keys, hint)
+            ok = store.save(keys, [frame_for(k, size) for k in keys], hint)
+            store.finish(keys, hint)
+            say({"saved": rid, "keys": [k for k, good in zip(keys, ok) if good]})
+            for _ in range(job.get("reread", 1)):
+                old = f"r{rng.randrange(job.get('oldest', 0), r + 1)}"
+                okeys = request_keys(old, blocks)
+                hits, wrong = load_checked(store, okeys, size)
+                if not all(hits):  # re-save what was lost: the dedup and re-persist path
+                    store.save(okeys, [frame_for(k, size) for k in okeys])
+                say({"read": old, "hits": sum(hits), "wrong": wrong})
+            r += 1
+    finally:
+        store.close()  # drains the mover's queue: every saved block is persisted
+    say({"done": dict(store.mover.stats)})
+
+
+if __name__ == "__main__":
+    run(json.loads(sys.argv[1]))
