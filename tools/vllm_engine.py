@@ -5,7 +5,8 @@
 - `Engine`: a vLLM `LLM` in its own process (`python -m kvtier.tools.vllm_engine SPEC`),
   driven by JSON lines; `generate` returns each request's output token ids,
   `num_cached_tokens` (local prefix hit + tokens loaded by a KV connector), the
-  `kv_transfer_params` the connector returned, and the wall time. By default the engine
+  `kv_transfer_params` the connector returned, its time to first token from the batch's
+  start (with `engine_args={"disable_log_stats": False}`), and the wall time. By default the engine
   runs in one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor): scheduler and
   worker in one address space, which starts in seconds instead of a minute on small CPUs.
   `num_blocks` overrides the KV cache size (to force preemption); `engine_args` go to
@@ -96,6 +97,7 @@ class Output:
     token_ids: list[int]
     num_cached_tokens: int
     kv_transfer_params: dict | None
+    ttft_s: float | None = None  # from the batch's start; engines with disable_log_stats=False
 
 
 class EngineError(RuntimeError):
@@ -253,7 +255,8 @@ def _serve(spec: dict) -> None:
         _reply({"elapsed_s": elapsed, "outputs": [
             {"token_ids": list(o.outputs[0].token_ids),
              "num_cached_tokens": o.num_cached_tokens or 0,
-             "kv_transfer_params": o.kv_transfer_params} for o in outs]})
+             "kv_transfer_params": o.kv_transfer_params,
+             "ttft_s": getattr(o.metrics, "first_token_latency", None)} for o in outs]})
 
 
 def main() -> None:
