@@ -59,9 +59,10 @@ def open_tiers(policy: Policy, index: Index, report: CheckReport,
     name): a sharedfs temp file of this node whose writer pid is gone is stale at once.
     """
     ctx = TierContext(index, node_id or socket.gethostname(), policy.master, recover=False)
-    tiers = []
+    tiers, known = [], set(index.tier_names().values())  # tier_id() would allocate one
     for cfg in policy.tiers:
-        if cfg.kind == "mooncake" and index.tier_usage(cfg.name)[0] == 0:
+        if cfg.kind == "mooncake" and (cfg.name not in known or
+                                       index.tier_usage(cfg.name)[0] == 0):
             report.skipped[cfg.name] = "the index records no blocks of the pool (the master " \
                                        "keeps its metadata); nothing to check on this node"
             continue

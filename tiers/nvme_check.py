@@ -11,9 +11,12 @@ Guarantees:
   check's `pending`), and a frame that fails verification is reported only if its entry and
   its region's generation are unchanged after the read; otherwise a writer reclaimed the
   region under the read, which is a miss, not a problem;
-- kinds: `missing` (the entry points at no bytes of its block: a region reclaimed since or
-  beyond the capacity, an offset the region never allocated, past the end of the data file, a
-  hole never written), `region` (the region table records another block, or none, where the
+- entries of a generation the region table marks reclaimed (`C` rows) are not problems:
+  every reader already sees them as misses, and the reclaimer drops them right after (the next
+  open does, after a crash);
+- kinds: `missing` (the entry points at no bytes of its block: a region of another generation
+  with no reclaim pending, or beyond the capacity, an offset the region never allocated, past
+  the end of the data file, a hole never written), `region` (the region table records another block, or none, where the
   entry points: reclaim would never drop the entry), `size` / `checksum` (a sound frame of the
   key that the entry disagrees with), `corrupt` (the frame fails verification or cannot be
   read), `orphan` (any file in the tier directory but the data file), `stale_temp` (an old
@@ -51,6 +54,7 @@ class Snapshot:
     entries: list[Entry] = field(default_factory=list)
     regions: dict[int, Region | None] = field(default_factory=dict)
     allocated: dict[tuple[int, int, int], str | None] = field(default_factory=dict)
+    reclaimed: set[tuple[int, int]] = field(default_factory=set)  # (slot, gen) with a C row
     file_bytes: int = -1  # -1: there is no data file
 
 
@@ -95,6 +99,8 @@ def snapshot(tier, keys: list[str] | None = None) -> Snapshot:
                 snap.regions[slot] = Region.decode(slot, raw) if raw else None
             raw = txn.get(b"B" + BLK.pack(slot, gen, e.loc_b), db=table)
             snap.allocated[(slot, gen, e.loc_b)] = bytes(raw).hex() if raw else None
+            if txn.get(b"C" + SLOT.pack(slot) + SLOT.pack(gen), db=table) is not None:
+                snap.reclaimed.add((slot, gen))
     snap.file_bytes = os.fstat(tier._fd).st_size if tier._fd >= 0 else -1
     return snap
 
@@ -102,6 +108,10 @@ def snapshot(tier, keys: list[str] | None = None) -> Snapshot:
 def _check_entries(tier, snap: Snapshot, progress) -> list[Problem]:
     problems, placed = [], []
     for e in snap.entries:
+        if unpack_loc(e.loc_a) in snap.reclaimed:
+            # Its region was reclaimed and the reclaimer has yet to drop its entries (it does
+            # right after, or the next open does after a crash): dead to every reader already.
+            continue
         why = misplaced(tier, e, snap)
         if why is None:
             placed.append(e)

@@ -22,7 +22,10 @@ app.command("replay")(cli_replay.replay)
 def main() -> None:
     """Entry point: run the app; kvtier's own errors print one line, not a traceback."""
     try:
-        app(standalone_mode=False)
+        # Without standalone mode click returns a typer.Exit's code instead of exiting.
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except ConfigError as e:
         print(f"kvtier: {e}", file=sys.stderr)
         sys.exit(2)
