@@ -6,8 +6,9 @@ Primitives (batched; a miss is a value):
   LMDB read transaction, one stat batch).
 - `load(keys, outs) -> list[int]`: each block from the fastest tier that holds it, verified;
   payload length or `MISS`. A hit below the first tier may schedule a promotion.
-- `save(keys, frames, hint) -> list[bool]`: write-through to the first tier, deduplicated by
-  key; the mover then persists admitted blocks to the capacity tiers in the background.
+- `save(keys, frames, hint) -> list[bool]`: write-through to the first tier that answers,
+  deduplicated by key; the mover then persists admitted blocks to the capacity tiers in the
+  background. No tier failure reaches the caller: an unreachable tier is skipped.
 - `finish(keys, hint)`: a request ended (the end of a session's turn).
 
 Callers guarantee what the tier contract asks (well-formed keys, sealed frames, big enough
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvtier.store.config import Policy
-from kvtier.store.errors import TierError
+from kvtier.store.errors import TierError, TierUnavailableError
 from kvtier.store.index import Index
 from kvtier.store.master import EmbeddedMaster, ensure_master
 from kvtier.store.mover import Mover
@@ -127,8 +128,18 @@ class TieredStore:
 
     def save(self, keys: Sequence[str], frames: Sequence[memoryview],
              hint: SessionHint | None = None) -> list[bool]:
-        """Write-through to the first tier (deduplicated); the mover persists below it."""
-        first = self.tiers[0]
+        """Write-through to the first tier that answers (deduplicated); the mover persists
+        below it. A tier that cannot be reached (the pool while its master is down) is
+        skipped, so saves keep landing in the capacity tiers and never fail the caller."""
+        for tier in self.tiers:
+            try:
+                return self._save_to(tier, keys, frames, hint)
+            except TierUnavailableError as e:
+                log.warning("save skips tier %s: %s", tier.name, e)
+        return [False] * len(keys)
+
+    def _save_to(self, first: Tier, keys: Sequence[str], frames: Sequence[memoryview],
+                 hint: SessionHint | None) -> list[bool]:
         present = first.contains(keys)
         new = [i for i, p in enumerate(present) if not p]
         stored = list(present)
@@ -136,6 +147,8 @@ class TieredStore:
             self.mover.make_room(first, sum(len(frames[i]) for i in new))
             try:
                 ok = first.put([keys[i] for i in new], [frames[i] for i in new])
+            except TierUnavailableError:
+                raise  # the next tier takes the batch
             except TierError as e:
                 stored_keys = set(getattr(e, "stored", ()))
                 ok = [keys[i] in stored_keys for i in new]
