@@ -113,6 +113,16 @@ class Engines:
             self._baseline_outputs[key] = outs[0]
         return self._baseline_outputs[key]
 
+    def baselines(self, prompts: list[list[int]], max_tokens: int) -> list[Output]:
+        """Baseline outputs of several prompts in one batch (float32: batching does not
+        change greedy tokens)."""
+        todo = [p for p in prompts if (tuple(p), max_tokens) not in self._baseline_outputs]
+        if todo:
+            outs, _ = self.get("baseline").generate(todo, max_tokens)
+            for p, o in zip(todo, outs):
+                self._baseline_outputs[(tuple(p), max_tokens)] = o
+        return [self._baseline_outputs[(tuple(p), max_tokens)] for p in prompts]
+
     def close(self) -> None:
         for engine in self._engines.values():
             engine.close()

@@ -37,7 +37,9 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model, tmp_path_factory):
+def engines(tiny_model, cluster, tmp_path_factory):
+    # depends on `cluster` so that engines close before the master stops (a client whose
+    # master is gone spends seconds retrying to unmount its segment)
     pool = Engines(tiny_model, tmp_path_factory.mktemp("engine-logs"))
     yield pool
     pool.close()
@@ -140,7 +142,7 @@ def test_master_killed_while_requests_run(engines, cluster):
     hot = random_prompt(4, LONG)
     served(a, hot)  # in the pool: b's load of it races the kill
     prompts = [hot] + [random_prompt(40 + i, 2000) for i in range(3)]
-    expected = [engines.baseline(p, 64).token_ids for p in prompts]
+    expected = [o.token_ids for o in engines.baselines(prompts, 64)]
     killer = threading.Timer(0.3, cluster.kill_master)
     killer.start()
     outs, _ = b.generate(prompts, 64)
@@ -187,8 +189,7 @@ def test_preempted_requests_resume_from_kvtier(engines, cluster):
     outs, _ = g.generate(prompts, 400)  # 8 x 1000 tokens in a 3840-token cache
     resumed = [o for o in outs if tier_hits(o)]
     assert resumed, "expected preemption: raise the load or shrink num_blocks"
-    assert [o.token_ids for o in outs] == \
-        [engines.baseline(p, 400).token_ids for p in prompts]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in engines.baselines(prompts, 400)]
 
 
 @pytest.mark.slow
