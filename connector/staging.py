@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import torch
 
 from kvtier.store import block
@@ -60,11 +59,6 @@ class FrameBuffer:
         if self.mirrored:
             self.device_view[: n * self.stride].copy_(self.host[: n * self.stride],
                                                       non_blocking=non_blocking)
-
-    def clear_headers(self, n: int) -> None:
-        """Zero the header of each of the first `n` frames, so a stale one never verifies."""
-        view = np.frombuffer(self._mv, dtype=np.uint8, count=n * self.stride)
-        view.reshape(n, self.stride)[:, : block.HEADER_SIZE] = 0
 
 
 class StagingPool:

@@ -26,15 +26,25 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
          json_out: Optional[Path] = typer.Option(None, "--json", help="write the numbers here"),
          ) -> None:
     """TTFT on real vLLM engines: cold, local prefix hit, remote hit from dram/nvme/shared."""
-    from kvtier.tools.bench_vllm import CASES, BenchSpec, run_bench
+    from kvtier.tools.bench_vllm import BenchSpec, run_bench
 
     spec = BenchSpec(sizes=tuple(int(s) for s in sizes.split(",")), repeats=repeats,
                      chunk_tokens=chunk_tokens, dtype=dtype, inproc=not multiproc)
     console = Console(width=max(110, Console().width))
     with console.status("kvtier bench vllm") as status:
         doc = run_bench(spec, dir, progress=lambda msg: status.update(f"bench vllm: {msg}"))
-    table = Table(title=f"kvtier bench vllm: TTFT in ms (median of {repeats}), tiny Llama "
-                        f"{dtype}, chunk {chunk_tokens}")
+    render(console, doc, f"kvtier bench vllm: TTFT in ms (median of {repeats}), tiny Llama "
+                         f"{dtype}, chunk {chunk_tokens}")
+    if json_out is not None:
+        doc["command"] = "kvtier " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(doc, indent=2))
+
+
+def render(console: Console, doc: dict, title: str) -> None:
+    """The TTFT table, the targets and any hit that came from an unexpected tier."""
+    from kvtier.tools.bench_vllm import CASES
+    table = Table(title=title)
     for col in ("tokens", *CASES, "dram/local", "cold/dram"):
         table.add_column(col, justify="right")
     for res in doc["results"]:
@@ -50,10 +60,6 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
     for res in doc["results"]:
         for m in res["tier_mismatches"]:
             console.print(f"  [yellow]tier mismatch[/] {m}")
-    if json_out is not None:
-        doc["command"] = "kvtier " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(doc, indent=2))
 
 
 def gather(ctx: typer.Context) -> None:
