@@ -135,13 +135,7 @@ class SharedFSTier(Tier):
         """Remove the blocks' files (whichever node wrote them) and this node's entries."""
         self._check_open()
         self._ages.remove(self.index.delete(self.name, keys))
-        removed = 0
-        for key in keys:
-            try:
-                os.unlink(files.block_path(self.root, key))
-                removed += 1
-            except FileNotFoundError:
-                continue
+        removed = sum(files.unlink_block(files.block_path(self.root, k)) for k in keys)
         self.stats.add(deletes=removed)
         return removed
 
@@ -218,8 +212,14 @@ class SharedFSTier(Tier):
         mine = [j for j, ok in enumerate(reserved) if ok]
         for j, ok in enumerate(reserved):
             results[idx[j]] = not ok  # not ok: this node stored it meanwhile
-        errs = self._loop.run(self._write_all(
-            [(keys[idx[j]], frames[idx[j]], headers[idx[j]].frame_len) for j in mine]))
+        try:
+            errs = self._loop.run(self._write_all(
+                [(keys[idx[j]], frames[idx[j]], headers[idx[j]].frame_len) for j in mine]))
+        except BaseException:
+            # e.g. a link planted as a fan-out directory: a reservation left behind would
+            # read as "being written by a live process" until this process exits.
+            self.index.abort(self.name, [entries[j].key for j in mine])
+            raise
         done = [entries[j] for j, err in zip(mine, errs) if err is None]
         failed = [entries[j].key for j, err in zip(mine, errs) if err is not None]
         if failed:
@@ -249,11 +249,13 @@ class SharedFSTier(Tier):
                 files.write_block(path, memoryview(frame)[:frame_len], self.cfg.file_mode,
                                   self.cfg.fsync, f"{self.node}.{os.getpid()}")
                 return None
-            except FileNotFoundError as e:
-                self._dirs.forget(path.parent)  # another node pruned the directory: redo it
-                err = e
             except OSError as e:
-                return e
+                if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                    return e
+                # Another node pruned the directory (redo it), or a link was planted where
+                # it was (the second `ensure` refuses it with a TierError).
+                self._dirs.forget(path.parent)
+                err = e
         return err
 
     def _make_room(self, need: int) -> None:
@@ -274,7 +276,7 @@ class SharedFSTier(Tier):
                    if e is not None and created_ns(e) == ns]
             # Files go only after the index transaction has dropped their entries.
             for e in self.index.delete(self.name, old):
-                files.block_path(self.root, e.key).unlink(missing_ok=True)
+                files.unlink_block(files.block_path(self.root, e.key))
 
     # ---- reads -------------------------------------------------------------------------
 
@@ -286,7 +288,7 @@ class SharedFSTier(Tier):
     def _read_failed(self, key: str, st, err: OSError, gone: list[str]) -> None:
         if err.errno == errno.ENOENT:
             gone.append(key)  # never written, or removed by another node: a plain miss
-        elif err.errno == errno.ELOOP or isinstance(err, files.NotRegularFile):
+        elif err.errno in (errno.ELOOP, errno.ENOTDIR) or isinstance(err, files.NotRegularFile):
             self._quarantine(key, st, "a symlink or special file where a block belongs")
         else:
             self.stats.add(errors=1)

@@ -11,9 +11,11 @@ Layout under the tier root:
 - `.quarantine/<key>.<node>.<ns>.kvb`: frames that failed verification, moved aside for a
   human to look at; nothing reads them.
 
-Safety: directories are created 0700 and files `file_mode` (0600); every open uses O_NOFOLLOW
-and fan-out directories are checked with lstat on first use, so a symlink planted in the tree
-is refused, never followed. Keys are validated hex, so no name can escape the root.
+Safety: directories are created 0700 and files `file_mode` (0600). Every read, delete and
+quarantine walks from the root one component at a time with O_NOFOLLOW (`leaf_dir_fd`), and
+writes check fan-out directories with lstat on first use, so a symlink planted in the tree, in
+place of a block or of a directory, is refused, never followed: nothing outside the root is
+read, moved or removed through it. Keys are validated hex, so no name can escape the root.
 """
 
 from __future__ import annotations
@@ -41,9 +43,51 @@ def block_path(root: Path, key: str) -> Path:
     return root / chain[:2] / chain[2:4] / (key + SUFFIX)
 
 
+def leaf_dir_fd(path: Path) -> int:
+    """An O_PATH descriptor of the fan-out directory of block file `path`, reached from the
+    tier root one component at a time with O_NOFOLLOW: a link planted in place of `ab` or
+    `cd` raises OSError (ELOOP or ENOTDIR) instead of leading out of the tree."""
+    fd = os.open(path.parents[2], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in (path.parent.parent.name, path.parent.name):
+            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def nofollow_opener(path: str, flags: int) -> int:
-    """`open(..., opener=)` hook: never follow a symlink at the file itself."""
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """`open(..., opener=)` hook: follow no symlink below the tier root (file or directory)."""
+    dfd = leaf_dir_fd(Path(path))
+    try:
+        return os.open(os.path.basename(path), flags | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def unlink_block(path: Path) -> bool:
+    """Remove block file `path` without following a link on the way; True if removed.
+    Under a planted directory link there is no block of ours to remove: False."""
+    try:
+        dfd = leaf_dir_fd(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return False
+        raise
+    try:
+        os.unlink(path.name, dir_fd=dfd)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(dfd)
 
 
 class NotRegularFile(OSError):
@@ -108,50 +152,89 @@ class DirCache:
 
 
 def write_block(path: Path, frame: memoryview, file_mode: int, fsync: bool, tag: str) -> None:
-    """Write `frame` to a temp file beside `path`, fsync it, rename it over `path`.
+    """Write `frame` to a temp file beside `path`, fsync it, rename it over `path`, all inside
+    the fan-out directory reached without following links (`leaf_dir_fd`).
 
-    Raises OSError (ENOSPC included) with no temp file left behind.
+    Raises OSError (ENOSPC included; ENOTDIR or ELOOP for a planted link) with no temp file
+    left behind.
     """
-    tmp = path.with_name(f".{path.name}.{tag}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 file_mode)
+    tmp = f".{path.name}.{tag}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+    dfd = leaf_dir_fd(path)
     try:
-        os.fchmod(fd, file_mode)  # exact mode whatever the umask says
-        view, done = memoryview(frame), 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-        if fsync:
-            os.fsync(fd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     file_mode, dir_fd=dfd)
+        try:
+            os.fchmod(fd, file_mode)  # exact mode whatever the umask says
+            view, done = memoryview(frame), 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
     except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
+        _unlink_quietly(tmp, dfd)
         raise
-    os.close(fd)
+    finally:
+        os.close(dfd)
+
+
+def _unlink_quietly(name: str, dfd: int) -> None:
     try:
-        os.rename(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        os.unlink(name, dir_fd=dfd)
+    except FileNotFoundError:
+        pass
 
 
 def quarantine(root: Path, path: Path, key: str, node: str, seen: os.stat_result | None) -> bool:
     """Move the file at `path` aside, unless it was replaced since we read it (then keep it).
-
-    Returns True if something was moved.
+    A link planted in place of a fan-out directory is what gets moved: nothing behind a link
+    is ever touched. Returns True if something was moved.
     """
+    qdir = root / QUARANTINE
     try:
-        now = os.lstat(path)
+        dfd = leaf_dir_fd(path)
     except FileNotFoundError:
         return False
-    if seen is not None and (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev):
-        return False  # a writer renamed a fresh copy over the bad one: leave that alone
-    qdir = root / QUARANTINE
-    qdir.mkdir(mode=DIR_MODE, exist_ok=True)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        return _quarantine_planted_dir(root, path, key, node)
     try:
-        os.rename(path, qdir / f"{key}.{node}.{time.time_ns()}{SUFFIX}")
-    except FileNotFoundError:
-        return False  # another node moved or deleted it first
-    return True
+        try:
+            now = os.lstat(path.name, dir_fd=dfd)
+        except FileNotFoundError:
+            return False
+        if seen is not None and (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev):
+            return False  # a writer renamed a fresh copy over the bad one: leave that alone
+        qdir.mkdir(mode=DIR_MODE, exist_ok=True)
+        try:
+            os.rename(path.name, qdir / f"{key}.{node}.{time.time_ns()}{SUFFIX}",
+                      src_dir_fd=dfd)
+        except FileNotFoundError:
+            return False  # another node moved or deleted it first
+        return True
+    finally:
+        os.close(dfd)
+
+
+def _quarantine_planted_dir(root: Path, path: Path, key: str, node: str) -> bool:
+    """Move aside the link or file that sits where fan-out directory `ab` or `ab/cd` of
+    `path` belongs (renaming a link moves the link, never its target)."""
+    for d in (path.parent.parent, path.parent):
+        try:
+            st = os.lstat(d)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISDIR(st.st_mode):
+            (root / QUARANTINE).mkdir(mode=DIR_MODE, exist_ok=True)
+            try:
+                os.rename(d, root / QUARANTINE / f"dir-{d.name}.{key}.{node}.{time.time_ns()}")
+            except FileNotFoundError:
+                return False
+            return True
+    return False
 
 
 def fanout_dirs(root: Path):
