@@ -1,4 +1,4 @@
-"""`kvtier master` (the Mooncake master in the foreground) and `kvtier demo`."""
+"""`kvtier master` (the Mooncake master in the foreground) and `kvtier demo` (`tools.demo`)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,15 @@ def master(policy: Optional[Path] = POLICY_OPT,
         return
 
 
-def demo(policy: Optional[Path] = POLICY_OPT,
-         sessions: int = typer.Option(2, min=1, help="sessions to replay"),
-         turns: int = typer.Option(3, min=1, help="turns per session")) -> None:
-    """The smallest end-to-end run: master, every tier, blocks through the store."""
+def demo(instances: int = typer.Option(4, min=1, help="vLLM engine processes"),
+         sessions: int = typer.Option(8, min=1, help="agent sessions"),
+         turns: int = typer.Option(8, min=1, help="turns per session"),
+         scale: float = typer.Option(0.1, min=0.001, help="real tokens per workload token"),
+         speed: float = typer.Option(4.0, min=0.001, help="time runs this much faster"),
+         out: Path = typer.Option(Path("replay-out/demo"), help="report and plots go here"),
+         dram_only: bool = typer.Option(False, help="also run the DRAM-only pool")) -> None:
+    """The main job, scaled: real vLLM engines on kvtier vs their own prefix caches."""
     from kvtier.tools.demo import run_demo
 
-    run_demo(policy, sessions=sessions, turns=turns)
+    run_demo(instances=instances, sessions=sessions, turns=turns, scale=scale, speed=speed,
+             out=out, baselines=("local", "dram-only") if dram_only else ("local",))

@@ -2,8 +2,9 @@
 
 `--simulate` is the policy-only replay (`tools.replay_run`): token hit rate of every policy at
 every capacity against `belady` and an infinite cache, plus the tiered variant, as rich tables
-and `--json FILE`. Replaying through a real engine (`--engine vllm|sim` without `--simulate`)
-is not implemented yet and says so.
+and `--json FILE`. `--engine vllm|sim` replays one workload through N engines on a kvtier
+cluster against the baselines (`tools.replay_engine_run`, shown by `tools.cli_replay_engine`);
+`--calibrate` measures the real tiny engine for the sim's prefill model.
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ def _workloads(names: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def _one_workload(names: list[str]) -> str:
+    """Engine replay takes one workload; with none chosen (all three), the synthetic one."""
+    if list(names) == list(WORKLOADS):
+        return "synthetic"
+    wl = _workloads(names)
+    if len(wl) != 1:
+        raise ReplayError(f"--engine replays one workload at a time, got {', '.join(wl)}")
+    return wl[0]
+
+
 def _policies(text: str) -> tuple[str, ...]:
     from kvtier.eviction import EVICTION_POLICIES
     pols = tuple(p.strip() for p in text.split(",") if p.strip())
@@ -62,8 +73,8 @@ def _policies(text: str) -> tuple[str, ...]:
 
 def replay(
     simulate: bool = typer.Option(False, "--simulate", help="policy-only replay, no bytes moved"),
-    engine: Optional[str] = typer.Option(None, help="replay through an engine: vllm | sim "
-                                         "(not implemented yet)"),
+    engine: Optional[str] = typer.Option(None, help="replay through engines: vllm (real) | "
+                                         "sim (simulated, real store)"),
     workload: list[str] = typer.Option(list(WORKLOADS), "--workload", "-w",
                                        help="synthetic | weka | conversation (repeatable)"),
     policies: str = typer.Option("lru,s3fifo,arc,agentic", help="policies besides belady"),
@@ -73,7 +84,8 @@ def replay(
                                "tiered variant ('none' to skip)"),
     traces: Path = typer.Option(Path(os.environ.get("KVTIER_TRACES", "../shared/traces")),
                                 help="folder with weka_cc_traces/ and conversation_trace.jsonl"),
-    sessions: int = typer.Option(64, min=1, help="synthetic: sessions"),
+    sessions: Optional[int] = typer.Option(None, min=1, help="sessions (simulate default 64; "
+                                           "engines default 8, per instance in a sweep)"),
     live: int = typer.Option(0, min=0, help="synthetic: sessions in progress at once "
                              "(0: all)"),
     weka_live: int = typer.Option(32, min=1, help="weka: sessions in progress at once"),
@@ -82,14 +94,54 @@ def replay(
     prefill_tps: float = typer.Option(20_000.0, min=1.0, help="prefill tokens per second"),
     jobs: int = typer.Option(min(2, os.cpu_count() or 1), min=1, help="worker processes"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
+    instances: str = typer.Option("4", help="engines: instance counts (a list sweeps, with "
+                                  "--sessions per instance)"),
+    router: str = typer.Option("round-robin", help="engines: round-robin | session-sticky | "
+                               "least-loaded"),
+    turns: int = typer.Option(30, min=1, help="engines: turns per session (at most)"),
+    scale: float = typer.Option(0.1, min=0.001, help="engines: real tokens per workload token"),
+    speed: float = typer.Option(1.0, min=0.001, help="engines: time runs this much faster"),
+    dram: str = typer.Option("1.5", help="engines: DRAM pool sizes as fractions of the "
+                             "working set (comma-separated)"),
+    baselines: str = typer.Option("local,dram-only", help="engines: baselines to run too"),
+    kv_ratio: float = typer.Option(4.0, min=0.1, help="engines: live contexts / KV cache"),
+    kv_tokens: int = typer.Option(0, min=0, help="engines: KV cache tokens per instance "
+                                  "(0: from --kv-ratio)"),
+    max_output: int = typer.Option(32, min=1, help="engines: most tokens generated"),
+    max_context: int = typer.Option(16384, min=64, help="engines: longest prompt"),
+    max_batch: int = typer.Option(8, min=1, help="vllm: requests per engine call"),
+    dtype: str = typer.Option("bfloat16", help="engines: KV dtype (bfloat16 | float32)"),
+    eviction: str = typer.Option("agentic", help="engines: kvtier eviction policy"),
+    admission: str = typer.Option("reuse", help="engines: kvtier admission (reuse | always)"),
+    out: Path = typer.Option(Path("replay-out"), help="engines: report, plots, logs"),
+    calibration: Optional[Path] = typer.Option(None, help="sim: model calibration file"),
+    calibrate: bool = typer.Option(False, "--calibrate", help="measure the real engine for "
+                                   "the sim's model (writes --json or OUT/calibration.json)"),
+    plots: bool = typer.Option(True, help="engines: write PNG plots"),
 ) -> None:
-    """Replay traces against eviction policies (see `--simulate`)."""
-    if not simulate:
-        raise ReplayError("replay through an engine (--engine vllm|sim) is not implemented "
-                          "yet; use --simulate for the policy-only replay")
+    """Replay traces against eviction policies (`--simulate`) or engines (`--engine`)."""
+    from kvtier.tools import cli_replay_engine as ce
+    if calibrate:
+        ce.calibrate_and_save(dtype, json_out or out / "calibration.json")
+        return
+    if engine is not None and simulate:
+        raise ReplayError("--engine and --simulate are two modes; give one")
     if engine is not None:
-        raise ReplayError("--engine cannot be combined with --simulate (engine replay is "
-                          "not implemented yet)")
+        ce.run_and_show(ce.EngineSpec(
+            engine=engine, workload=_one_workload(workload),
+            instances=tuple(int(x) for x in _floats(instances, "--instances")),
+            router=router, sessions=sessions or 8, live=live, turns=turns, scale=scale,
+            speed=speed, dram=_floats(dram, "--dram"),
+            baselines=tuple(b for b in baselines.split(",") if b.strip()),
+            kv_ratio=kv_ratio, kv_tokens=kv_tokens, max_output=max_output,
+            max_context=max_context, max_batch=max_batch, dtype=dtype, eviction=eviction,
+            admission=admission, seed=seed, traces=traces, out=out,
+            calibration=calibration), json_out, plots)
+        return
+    if not simulate:
+        raise ReplayError("choose a mode: --simulate (policy-only), --engine vllm|sim, or "
+                          "--calibrate")
+    sessions = sessions or 64
     spec = RunSpec(
         workloads=_workloads(workload), policies=_policies(policies),
         capacities=_floats(capacities, "--capacities"),

@@ -1,0 +1,137 @@
+"""Real engines for `kvtier replay --engine vllm`: N vLLM processes on one kvtier cluster.
+
+`VllmCluster(root, cfg, ...)` starts, for one configuration (`tools.replay_cluster`), a
+fresh `mooncake_master` (unless the configuration has no store) and N engine processes
+(`tools.vllm_engine.Engine`: the tiny random model, one process each, started in parallel),
+each with the same KV cache size (`num_blocks`) and, for store configurations, the kvtier
+connector with its node's policy (own index and nvme dir, one shared dir). It warms each
+engine up with one short prompt nobody else sends, and gives one backend per instance for
+`tools.replay_live`. `close()` stops the engines (the connector finishes queued saves) and
+then the master; `held()` reads, afterwards, what each node's index holds per tier.
+
+Requests carry their session as a kvtier hint (`kv_transfer_params`), as an agent framework
+that knows its session ids would send it.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from kvtier.store.config import MasterConfig
+from kvtier.store.master import EmbeddedMaster, free_port
+from kvtier.tools.replay_cluster import Config, ReplayError, Sizing, node_policy
+from kvtier.tools.replay_plan import VOCAB, Plan
+from kvtier.tools.vllm_engine import Engine, EngineError, kvtier_transfer_config
+
+WARMUP_SEED = 987_654_321
+
+
+class VllmBackend:
+    """One engine as a replay backend (see `tools.replay_live`)."""
+
+    def __init__(self, engine: Engine, plan: Plan, hints: bool):
+        self.engine, self.plan, self.hints = engine, plan, hints
+
+    def serve(self, batch: list[int]) -> list[dict]:
+        prompts = [self.plan.prompt(i) for i in batch]
+        max_tokens = max(int(self.plan.output_tokens[i]) for i in batch)
+        params = ([{"kvtier": {"session_id": f"s{int(self.plan.session[i])}"}}
+                   if self.plan.session[i] >= 0 else None for i in batch]
+                  if self.hints else None)
+        outs, _ = self.engine.generate(prompts, max_tokens, params)
+        res = []
+        for o in outs:
+            kv = (o.kv_transfer_params or {}).get("kvtier", {})
+            res.append({"cached": o.num_cached_tokens, "tiers": kv.get("hit_tokens", {}),
+                        "saved_chunks": kv.get("saved_chunks", 0), "ttft_s": o.ttft_s,
+                        "output_tokens": len(o.token_ids)})
+        return res
+
+
+class VllmCluster:
+    def __init__(self, root: Path, cfg: Config, n: int, model: Path, sizing: Sizing, *,
+                 chunk_tokens: int, block_size: int, num_blocks: int, max_model_len: int,
+                 dtype: str, eviction: str, admission: str, say=print):
+        self.root, self.cfg, self.n = root, cfg, n
+        self.master: EmbeddedMaster | None = None
+        self.engines: list[Engine | None] = [None] * n
+        self.policies: list[dict | None] = [None] * n
+        root.mkdir(parents=True, exist_ok=True)
+        if cfg.uses_store:
+            mcfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
+            self.master = EmbeddedMaster(mcfg, log_path=root / "master.log").start()
+            self.policies = [node_policy(root, f"n{k}", mcfg.address, cfg, sizing,
+                                         chunk_tokens, eviction, admission) for k in range(n)]
+        self._kw = dict(block_size=block_size, num_blocks=num_blocks,
+                        max_model_len=max_model_len, dtype=dtype,
+                        engine_args={"disable_log_stats": False})
+        say(f"[{cfg.label}] starting {n} engines")
+        try:
+            self._start_all(model)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_all(self, model: Path) -> None:
+        errors: list[BaseException] = []
+
+        def start(k: int) -> None:
+            try:
+                ktc = (kvtier_transfer_config(self.policies[k], node_id=f"n{k}",
+                                              staging_buffer="16MiB")
+                       if self.policies[k] else None)
+                e = Engine(model, self.root / f"engine-n{k}.log", kv_transfer_config=ktc,
+                           **self._kw)
+                self.engines[k] = e
+                e.generate([_warmup_prompt(k)], 1)
+            except BaseException as e:  # re-raised below, on the caller's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=start, args=(k,)) for k in range(self.n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise ReplayError(f"{self.cfg.label}: an engine failed to start ({errors[0]}); "
+                              f"see the engine logs under {self.root}") from errors[0]
+
+    def backends(self, plan: Plan) -> list[VllmBackend]:
+        return [VllmBackend(e, plan, hints=self.cfg.uses_store) for e in self.engines]
+
+    def held(self) -> dict[str, dict[str, int]]:
+        """Blocks and bytes each tier holds at the end, summed over the nodes' indexes."""
+        from kvtier.store.index import Index
+        from kvtier.tools.cli_inspect import summarize
+        out: dict[str, dict[str, int]] = {}
+        for p in self.policies:
+            if p is None:
+                continue
+            ix = Index(Path(p["index"]["path"]), readonly=True, recover=False)
+            try:
+                for name, t in summarize(ix)["tiers"].items():
+                    agg = out.setdefault(name, {"blocks": 0, "bytes": 0})
+                    agg["blocks"] += t["blocks"]
+                    agg["bytes"] += t["bytes"]
+            finally:
+                ix.close()
+        return out
+
+    def close(self) -> None:
+        for e in self.engines:
+            if e is not None:
+                try:
+                    e.close()
+                except (EngineError, OSError):
+                    pass  # the engine log has the story; keep closing the others
+        self.engines = [None] * self.n
+        if self.master is not None:
+            self.master.stop()
+            self.master = None
+
+
+def _warmup_prompt(k: int) -> list[int]:
+    import random
+    rng = random.Random(WARMUP_SEED + k)
+    return [rng.randrange(1, VOCAB) for _ in range(96)]
