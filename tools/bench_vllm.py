@@ -13,7 +13,9 @@ size, with fresh random prompts per measurement:
   blocks into the pool before the next tier is measured.
 
 TTFT is the wall time of a one-token greedy `generate` inside the engine process (prefill,
-load, first sample). Every hit is checked against the tier the connector reports.
+load, first sample); each case is reported as the median and the best of its repeats (on a
+shared machine interference only adds time). Every hit is checked against the tier the
+connector reports.
 Targets (issue 5): dram within 1.5x of local; at 16K tokens dram at least 20x faster than cold.
 """
 
@@ -53,6 +55,11 @@ class Result:
     def median_ms(self, case: str) -> float | None:
         v = self.ttft_s[case]
         return statistics.median(v) * 1e3 if v else None
+
+    def min_ms(self, case: str) -> float | None:
+        """The best of the repeats: on a shared machine, interference only adds time."""
+        v = self.ttft_s[case]
+        return min(v) * 1e3 if v else None
 
 
 def node_policy(root: Path, node: str, master: str, spec: BenchSpec) -> dict:
@@ -154,15 +161,17 @@ class Bench:
 
 
 def targets(results: list[Result]) -> list[dict]:
+    """Issue 5's targets, on the medians and on the best of the repeats."""
     out = []
     for res in results:
-        local, dram, cold = (res.median_ms(c) for c in ("local", "dram", "cold"))
-        if local and dram:
-            out.append({"size": res.size, "what": "dram TTFT / local TTFT <= 1.5",
-                        "value": round(dram / local, 2), "ok": dram / local <= 1.5})
-        if res.size >= 16384 and cold and dram:
-            out.append({"size": res.size, "what": "cold TTFT / dram TTFT >= 20",
-                        "value": round(cold / dram, 1), "ok": cold / dram >= 20})
+        for stat in ("median", "min"):
+            local, dram, cold = (getattr(res, f"{stat}_ms")(c) for c in ("local", "dram", "cold"))
+            if local and dram:
+                out.append({"size": res.size, "stat": stat, "what": "dram / local <= 1.5",
+                            "value": round(dram / local, 2), "ok": dram / local <= 1.5})
+            if res.size >= 16384 and cold and dram:
+                out.append({"size": res.size, "stat": stat, "what": "cold / dram >= 20",
+                            "value": round(cold / dram, 1), "ok": cold / dram >= 20})
     return out
 
 
@@ -174,5 +183,7 @@ def run_bench(spec: BenchSpec, root: Path | None = None, progress=print) -> dict
             results = bench.run()
         finally:
             bench.close()
-    return {"spec": asdict(spec), "results": [asdict(r) | {"median_ms": {
-        c: r.median_ms(c) for c in CASES}} for r in results], "targets": targets(results)}
+    return {"spec": asdict(spec), "results": [
+        asdict(r) | {"median_ms": {c: r.median_ms(c) for c in CASES},
+                     "min_ms": {c: r.min_ms(c) for c in CASES}} for r in results],
+        "targets": targets(results)}

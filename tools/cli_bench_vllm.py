@@ -33,33 +33,35 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
     console = Console(width=max(110, Console().width))
     with console.status("kvtier bench vllm") as status:
         doc = run_bench(spec, dir, progress=lambda msg: status.update(f"bench vllm: {msg}"))
-    render(console, doc, f"kvtier bench vllm: TTFT in ms (median of {repeats}), tiny Llama "
-                         f"{dtype}, chunk {chunk_tokens}")
+    for stat in ("median", "min"):
+        render(console, doc, stat, f"kvtier bench vllm: TTFT in ms ({stat} of {repeats}), "
+                                   f"tiny Llama {dtype}, chunk {chunk_tokens}")
+    for t in doc["targets"]:
+        mark = "[green]ok[/]" if t["ok"] else "[red]MISSED[/]"
+        console.print(f"  {t['size']:>6} tokens, {t['stat']:>6}: {t['what']}: {t['value']} "
+                      f"{mark}")
+    for res in doc["results"]:
+        for m in res["tier_mismatches"]:
+            console.print(f"  [yellow]tier mismatch[/] {m}")
     if json_out is not None:
         doc["command"] = "kvtier " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(doc, indent=2))
 
 
-def render(console: Console, doc: dict, title: str) -> None:
-    """The TTFT table, the targets and any hit that came from an unexpected tier."""
+def render(console: Console, doc: dict, stat: str, title: str) -> None:
+    """The TTFT table of one statistic (median or min)."""
     from kvtier.tools.bench_vllm import CASES
     table = Table(title=title)
     for col in ("tokens", *CASES, "dram/local", "cold/dram"):
         table.add_column(col, justify="right")
     for res in doc["results"]:
-        med = res["median_ms"]
+        med = res[f"{stat}_ms"]
         cells = [f"{med[c]:.1f}" if med[c] is not None else "-" for c in CASES]
         ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
         table.add_row(str(res["size"]), *cells, ratio(med["dram"], med["local"]),
                       ratio(med["cold"], med["dram"]))
     console.print(table)
-    for t in doc["targets"]:
-        mark = "[green]ok[/]" if t["ok"] else "[red]MISSED[/]"
-        console.print(f"  {t['size']:>6} tokens: {t['what']}: {t['value']} {mark}")
-    for res in doc["results"]:
-        for m in res["tier_mismatches"]:
-            console.print(f"  [yellow]tier mismatch[/] {m}")
 
 
 def gather(ctx: typer.Context) -> None:
