@@ -78,7 +78,10 @@ def open_tiers(policy: Policy, index: Index, report: CheckReport,
 
 def check_node(policy: Policy, fix: bool = False, progress=None,
                node_id: str | None = None) -> CheckReport:
-    """Index vs tier contents vs checksums; with `fix`, repair and re-check."""
+    """Index vs tier contents vs checksums; with `fix`, repair and re-check.
+
+    `progress(done, total, label)` is called as each tier's scan advances.
+    """
     report = CheckReport()
     index = open_index(policy)
     try:
@@ -99,8 +102,15 @@ def check_node(policy: Policy, fix: bool = False, progress=None,
 def _scan(index: Index, tiers: list[Tier], progress) -> list[Problem]:
     problems = dead_pending(index) + stats_problems(index)
     for tier in tiers:
-        problems.extend(tier.check(progress))
+        problems.extend(tier.check(_labelled(progress, f"checking {tier.name}")))
     return problems
+
+
+def _labelled(progress, label: str):
+    """Tiers report `progress(done, total)`; the node's callers also get which scan it is."""
+    if progress is None:
+        return None
+    return lambda done, total: progress(done, total, label)
 
 
 def _repair(index: Index, tiers: list[Tier], problems: list[Problem]) -> int:
@@ -151,8 +161,8 @@ def _collect_junk(index: Index, tiers: list[Tier], result: dict, dry_run: bool,
                   progress) -> None:
     junk = dead_pending(index)
     for tier in tiers:
-        junk.extend(p for p in tier.check(progress)
-                    if p.kind in ("orphan", "stale_temp", "missing", "corrupt"))
+        found = tier.check(_labelled(progress, f"checking {tier.name}"))
+        junk.extend(p for p in found if p.kind in ("orphan", "stale_temp", "missing", "corrupt"))
     counts = {"orphans": ("orphan",), "stale_temp": ("stale_temp",), "pending": ("pending",),
               "bad_entries": ("missing", "corrupt")}
     for name, kinds in counts.items():

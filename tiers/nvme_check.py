@@ -16,11 +16,11 @@ Guarantees:
   open does, after a crash);
 - kinds: `missing` (the entry points at no bytes of its block: a region of another generation
   with no reclaim pending, or beyond the capacity, an offset the region never allocated, past
-  the end of the data file, a hole never written), `region` (the region table records another block, or none, where the
-  entry points: reclaim would never drop the entry), `size` / `checksum` (a sound frame of the
-  key that the entry disagrees with), `corrupt` (the frame fails verification or cannot be
-  read), `orphan` (any file in the tier directory but the data file), `stale_temp` (an old
-  start-up probe file).
+  the end of the data file, a hole never written), `region` (the region table records
+  another block, or none, where the entry points: reclaim would never drop the entry),
+  `size` / `checksum` (a sound frame of the key that the entry disagrees with), `corrupt`
+  (the frame fails verification or cannot be read), `orphan` (any file in the tier directory
+  but the data file), `stale_temp` (an old start-up probe file).
 
 `repair` checks the keys it is given again and drops the entries still bad, index transaction
 first: their bytes become dead space of their region and come back when it is reclaimed, as

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 from typer.testing import CliRunner
 
 from inspect_util import (NS, PAYLOAD, aged, dead_pid, drop_region_row, fill, flip_byte,
@@ -56,29 +55,43 @@ def plant_everything(root, pol, keys: list[str]) -> set:
     """Plant one of each kind (and things that are fine); return what check must find."""
     ix = Index(pol.index.path, recover=False)
     try:
-        flip_byte(root / "nvme" / "regions.kvr", nvme_offset(ix, keys[0]) + 1000)
-        rewrite_entry(ix, "nvme", keys[1], checksum=12345)
-        size = rewrite_entry(ix, "nvme", keys[2]).size
-        rewrite_entry(ix, "nvme", keys[2], size=size + 4096)  # the counters still say `size`
-        slot, gen = unpack_loc(ix.get("nvme", [keys[3]])[0].loc_a)
-        rewrite_entry(ix, "nvme", keys[3], loc_a=pack_loc(slot, gen + 3))
-        drop_region_row(ix, keys[4])
-        rewrite_entry(ix, "shared", keys[8], checksum=777)
+        want = plant_nvme(root, ix, keys) | plant_shared(root, ix, keys)
     finally:
         ix.close()
+    dead = _key(8)
+    kill_pending_writer(pol.index.path, "shared", dead)
+    return want | {("pending", "shared", dead)}
+
+
+def plant_nvme(root, ix: Index, keys: list[str]) -> set:
+    flip_byte(root / "nvme" / "regions.kvr", nvme_offset(ix, keys[0]) + 1000)
+    rewrite_entry(ix, "nvme", keys[1], checksum=12345)
+    size = rewrite_entry(ix, "nvme", keys[2]).size
+    rewrite_entry(ix, "nvme", keys[2], size=size + 4096)  # the counters still say `size`
+    slot, gen = unpack_loc(ix.get("nvme", [keys[3]])[0].loc_a)
+    rewrite_entry(ix, "nvme", keys[3], loc_a=pack_loc(slot, gen + 3))
+    drop_region_row(ix, keys[4])
     orphan = root / "nvme" / "junk.bin"
     orphan.write_bytes(b"x" * 100)
     probe = aged(_touch(root / "nvme" / ".kvtier-probe-1"), 7200)
+    return {("corrupt", "nvme", keys[0]), ("checksum", "nvme", keys[1]),
+            ("size", "nvme", keys[2]), ("stats", "nvme", None), ("missing", "nvme", keys[3]),
+            ("region", "nvme", keys[4]), ("orphan", "nvme", str(orphan)),
+            ("stale_temp", "nvme", str(probe))}
+
+
+def plant_shared(root, ix: Index, keys: list[str]) -> set:
+    rewrite_entry(ix, "shared", keys[8], checksum=777)
     shared_file(root, keys[6]).unlink()
     truncated = shared_file(root, keys[7])
     truncated.write_bytes(truncated.read_bytes()[:1000])
     link = shared_file(root, keys[9])
     link.unlink()
     link.symlink_to("/etc/hostname")
-    d = shared_file(root, keys[10]).parent
-    old_temp = aged(_touch(d / f".{keys[10]}.kvb.other-node.123.ab12cd34.tmp"), 7200)
-    dead_temp = _touch(d / f".{keys[11]}.kvb.{socket.gethostname()}.{dead_pid()}.ab.tmp")
-    _touch(d / f".{keys[12]}.kvb.{socket.gethostname()}.{os.getpid()}.ab.tmp")  # in flight
+    d, host = shared_file(root, keys[10]).parent, socket.gethostname()
+    aged(_touch(d / f".{keys[10]}.kvb.other-node.123.ab12cd34.tmp"), 7200)
+    _touch(d / f".{keys[11]}.kvb.{host}.{dead_pid()}.ab.tmp")
+    _touch(d / f".{keys[12]}.kvb.{host}.{os.getpid()}.ab.tmp")  # a write in flight: fine
     notes = _touch(root / "shared" / "notes.txt")
     (root / "shared" / "ff").symlink_to(root)
     subdir = d / "not-a-block"
@@ -86,17 +99,12 @@ def plant_everything(root, pol, keys: list[str]) -> set:
     _write_frame(shared_file(root, _key(7)))  # another node's block: fine
     (root / "shared" / QUARANTINE).mkdir(exist_ok=True)
     _touch(root / "shared" / QUARANTINE / f"{keys[13]}.node.1.kvb")  # set aside: fine
-    dead = _key(8)
-    kill_pending_writer(pol.index.path, "shared", dead)
-    return {("corrupt", "nvme", keys[0]), ("checksum", "nvme", keys[1]),
-            ("size", "nvme", keys[2]), ("stats", "nvme", None), ("missing", "nvme", keys[3]),
-            ("region", "nvme", keys[4]), ("orphan", "nvme", str(orphan)),
-            ("stale_temp", "nvme", str(probe)), ("missing", "shared", keys[6]),
-            ("corrupt", "shared", keys[7]), ("checksum", "shared", keys[8]),
-            ("orphan", "shared", keys[9]), ("missing", "shared", keys[9]),
-            ("stale_temp", "shared", keys[10]), ("stale_temp", "shared", keys[11]),
-            ("orphan", "shared", str(notes)), ("orphan", "shared", str(root / "shared" / "ff")),
-            ("orphan", "shared", str(subdir)), ("pending", "shared", dead)}
+    return {("missing", "shared", keys[6]), ("corrupt", "shared", keys[7]),
+            ("checksum", "shared", keys[8]), ("orphan", "shared", keys[9]),
+            ("missing", "shared", keys[9]), ("stale_temp", "shared", keys[10]),
+            ("stale_temp", "shared", keys[11]), ("orphan", "shared", str(notes)),
+            ("orphan", "shared", str(root / "shared" / "ff")),
+            ("orphan", "shared", str(subdir))}
 
 
 def _key(i: int) -> str:
@@ -165,7 +173,8 @@ def test_pool_entries_are_checked_against_the_master(tmp_path, shared_master):
     held, gone = session_keys(1, 2)["s0"]
     with TieredStore(pol, mover=False) as store:  # keeps `held` in its pool segment
         assert store.save([held], frames_for([held])) == [True]
-        entries = [Entry(k, "dram", size=block.HEADER_SIZE + PAYLOAD, checksum=1) for k in (held, gone)]
+        entries = [Entry(k, "dram", size=block.HEADER_SIZE + PAYLOAD, checksum=1)
+                   for k in (held, gone)]
         assert store.index.reserve(entries) == [True, True]
         store.index.commit("dram", [held, gone])
         # Another process, as an operator runs it (one LMDB handle per process).
