@@ -100,7 +100,10 @@ def _num(obj: dict, field: str, where: str, *, minimum: float = 0) -> float:
 
 def _ids(obj: dict, where: str) -> np.ndarray:
     v = obj.get("hash_ids")
-    a = np.array(v) if isinstance(v, list) else None
+    try:
+        a = np.array(v) if isinstance(v, list) else None
+    except (ValueError, TypeError, OverflowError):  # ragged nesting: not a flat list
+        a = None
     if a is None or a.ndim != 1 or (a.size and (a.dtype.kind not in "iu" or a.min() < 0)):
         raise TraceError(f"{where}: field 'hash_ids' must be a list of non-negative integers")
     return a.astype(np.int64)
