@@ -18,11 +18,12 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from kvtier.store.config import Policy
-from kvtier.store.errors import KVTierError
-from kvtier.store.index import Index
 from kvtier.store.check_index import dead_pending, fix_stats, stats_problems
+from kvtier.store.config import Policy
+from kvtier.store.errors import IndexError_, KVTierError
+from kvtier.store.index import Index
 from kvtier.store.index_record import READY
 from kvtier.store.master import master_answers
 from kvtier.store.session_store import referenced_keys
@@ -46,7 +47,11 @@ class CheckReport:
 
 
 def open_index(policy: Policy) -> Index:
-    """The node's index, without recovery (a check must see PENDING leftovers)."""
+    """The node's index, without recovery (a check must see PENDING leftovers); never a new
+    one (an empty index made by a typo in the path would check clean)."""
+    if not (Path(policy.index.path) / "data.mdb").exists():
+        raise IndexError_(f"no kvtier index at {policy.index.path}; point index.path of the "
+                          "policy (--policy) at the node's index")
     return Index(policy.index.path, policy.index.map_size_bytes,
                  policy.index.max_map_size_bytes, recover=False)
 

@@ -24,7 +24,8 @@ Guarantees:
 
 `repair` checks the keys it is given again and drops the entries still bad, index transaction
 first: their bytes become dead space of their region and come back when it is reclaimed, as
-after a corrupt read. It removes orphans and stale probes, then runs the region table's
+after a corrupt read (online, an entry rewritten between that second look and the drop is
+dropped too: a miss, never wrong bytes). It removes orphans and stale probes, then runs the region table's
 open-time recovery (park dead writers' regions, drop entries of reclaimed generations).
 """
 

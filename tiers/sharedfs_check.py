@@ -62,7 +62,7 @@ def repair(tier, problems) -> int:
                 blocks[key] = (path, st)
         entries = [e for e in tier.index.get(tier.name, keys) if e is not None]
         again, headers = _check_blocks(tier, blocks, entries, None)
-        fixed += sum(_fix(tier, p, headers.get(p.key)) for p in again)
+        fixed += sum(_fix(tier, p, headers.get(p.key), blocks.get(p.key)) for p in again)
     now = time.time()
     for p in problems:
         if p.kind in ("orphan", "stale_temp") and p.path:
@@ -175,10 +175,11 @@ def _unchanged(tier, e: Entry) -> bool:
         (e.created, e.size, e.checksum)
 
 
-def _fix(tier, p: Problem, header) -> int:
-    """Repair one keyed problem found again just now."""
-    if p.kind == "corrupt":
-        files.quarantine(tier.root, files.block_path(tier.root, p.key), p.key, tier.node, None)
+def _fix(tier, p: Problem, header, seen) -> int:
+    """Repair one keyed problem found again just now (`seen`: (path, lstat) before that)."""
+    if p.kind == "corrupt" and seen is not None:
+        # Only the file we verified: a sound copy renamed over it since stays.
+        files.quarantine(tier.root, seen[0], p.key, tier.node, seen[1])
     tier._forget_keys([p.key])
     if p.kind in ("size", "checksum") and header is not None:
         # The entry was wrong, the file verifies: account for the file as it is.

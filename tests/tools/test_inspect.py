@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from typer.testing import CliRunner
 
 from inspect_util import (NS, PAYLOAD, aged, dead_pid, drop_region_row, fill, flip_byte,
@@ -20,6 +21,7 @@ from inspect_util import (NS, PAYLOAD, aged, dead_pid, drop_region_row, fill, fl
                           wait_line, write_policy)
 from kvtier.store import block
 from kvtier.store.check import check_node, gc_node
+from kvtier.store.errors import IndexError_
 from kvtier.store.index import Index
 from kvtier.store.index_record import Entry
 from kvtier.store.keys import block_keys
@@ -274,3 +276,11 @@ def test_online_inspect_beside_a_live_writer(tmp_path):
     assert check_node(pol).clean
     saved = final["saved"]
     assert all(readable(pol, "shared", saved[-30:]))
+
+
+def test_check_of_a_missing_index_is_a_clear_error_and_makes_none(tmp_path):
+    _, pol = write_policy(tmp_path)
+    for run in (check_node, gc_node):
+        with pytest.raises(IndexError_, match="no kvtier index at .*point index.path"):
+            run(pol)
+    assert not (tmp_path / "index").exists()
