@@ -28,6 +28,8 @@ app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
                   help="Inspect a node's index and tiers: summary, sessions, blocks, check, gc.")
 POLICY = typer.Option(None, "--policy", "-p", help="policy YAML (default: built in)")
 JSON = typer.Option(False, "--json", help="print JSON")
+NODE = typer.Option(None, "--node-id", help="the node id this node's instances use (the "
+                    "connector's node_id; default: the host name)")
 
 
 def _policy(policy: Optional[Path], index: Optional[Path] = None) -> Policy:
@@ -191,11 +193,12 @@ def _progress_bar():
 @app.command("check")
 def check(policy: Optional[Path] = POLICY, fix: bool = typer.Option(
         False, "--fix", help="remove what cannot be trusted, then check again"),
-        as_json: bool = JSON) -> None:
+        node_id: Optional[str] = NODE, as_json: bool = JSON) -> None:
     """Index vs tier contents vs checksums; exit code 1 if problems remain."""
     progress, update = _progress_bar()
     with progress:
-        report = check_node(load_policy(policy), fix=fix, progress=None if as_json else update)
+        report = check_node(load_policy(policy), fix=fix, progress=None if as_json else update,
+                            node_id=node_id)
     _emit(report.to_dict(), as_json, _render_check)
     if not report.clean:
         raise typer.Exit(1)
@@ -224,13 +227,13 @@ def gc(policy: Optional[Path] = POLICY,
        quarantine_age_s: float = typer.Option(
            86400.0, help="delete quarantined frames moved aside longer ago than this"),
        dry_run: bool = typer.Option(False, "--dry-run", help="report only"),
-       as_json: bool = JSON) -> None:
+       node_id: Optional[str] = NODE, as_json: bool = JSON) -> None:
     """Remove orphans, stale temp files, dead PENDING entries, entries without trustworthy
     bytes, old quarantined frames and unreferenced blocks."""
     progress, update = _progress_bar()
     with progress:
         result = gc_node(load_policy(policy), min_age_s, shared, dry_run,
-                         None if as_json else update, quarantine_age_s)
+                         None if as_json else update, quarantine_age_s, node_id)
     _emit(result, as_json, _render_gc)
 
 

@@ -152,6 +152,10 @@ def test_check_finds_every_planted_kind_and_fix_leaves_a_clean_store(tmp_path, s
     out = cli("check", "--json", "-p", str(path))
     assert out.exit_code == 1
     assert found(json.loads(out.stdout)["problems"]) == want
+    # Under another node id the dead writer's young temp is not this node's to judge.
+    out = cli("check", "--json", "--node-id", "elsewhere", "-p", str(path))
+    assert found(json.loads(out.stdout)["problems"]) == want - {("stale_temp", "shared",
+                                                                 keys[11])}
     fixed = cli("check", "--fix", "--json", "-p", str(path))
     assert fixed.exit_code == 0, fixed.stdout
     data = json.loads(fixed.stdout)
