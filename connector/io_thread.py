@@ -27,6 +27,7 @@ import torch
 from kvtier.connector.layout import PagedKV
 from kvtier.connector.staging import FrameBuffer, StagingPool
 from kvtier.store import block
+from kvtier.store.errors import KVTierError
 
 if TYPE_CHECKING:  # kept out at run time: this module runs where only torch is installed
     from kvtier.connector.stats import KVTierStats
@@ -155,15 +156,24 @@ class IOThread:
                     self._load(job)
                 else:
                     self._save(job)
+            except KVTierError as e:  # the store failed (e.g. its first tier is down)
+                log.warning("kvtier: %s for request %s failed: %s", type(job).__name__,
+                            job.req_id, e)
+                self._fail(job)
             except Exception:  # a bug must not hang requests: fail the job, keep serving
                 log.exception("kvtier: I/O job for request %s failed", job.req_id)
-                if isinstance(job, LoadBatch):
-                    self._finish_load(job, ok_rows=0)
-                else:
-                    self.save_pool.release(job.buf)
+                self._fail(job)
             finally:
                 with self._cv:
                     self._busy -= 1
+
+    def _fail(self, job: LoadBatch | SaveBatch) -> None:
+        """A load that raised loads nothing (vLLM recomputes); a save that raised is lost."""
+        if isinstance(job, LoadBatch):
+            self._finish_load(job, ok_rows=0)
+            return
+        with self.stats_lock:
+            self.stats.add("save_failed_chunks", len(job.keys))
 
     def _load(self, job: LoadBatch) -> None:
         if job.req_id in self._failed_reqs:  # an earlier batch missed: nothing after it counts
@@ -221,11 +231,11 @@ class IOThread:
         try:
             if job.ready is not None:
                 job.ready.synchronize()
-            frames = [job.buf.frame(i) for i in range(len(job.keys))]
+            n = block.HEADER_SIZE + self.payload_len
+            frames = [job.buf.frame(i)[:n] for i in range(len(job.keys))]
             for key, frame in zip(job.keys, frames):
                 block.seal(frame, key, self.payload_len)
-            lens = [block.HEADER_SIZE + self.payload_len] * len(frames)
-            stored = self.store.save(job.keys, [f[:n] for f, n in zip(frames, lens)], job.hint)
+            stored = self.store.save(job.keys, frames, job.hint)
         finally:
             self.save_pool.release(job.buf)
         good = sum(stored)
