@@ -192,6 +192,14 @@ def test_preempted_requests_resume_from_kvtier(engines, cluster):
     assert [o.token_ids for o in outs] == [o.token_ids for o in engines.baselines(prompts, 400)]
 
 
+def test_a_bad_connector_config_stops_the_engine_with_one_line(tiny_model, tmp_path):
+    from kvtier.tools.vllm_engine import Engine, EngineError, kvtier_transfer_config
+    bad = kvtier_transfer_config(None, kvtier_confg="policy.yaml")
+    with pytest.raises(EngineError, match=r"ConfigError: kv_connector_extra_config: "
+                                          r"kvtier_confg: unknown field; expected one of"):
+        Engine(tiny_model, tmp_path / "bad.log", kv_transfer_config=bad, dtype="float32")
+
+
 @pytest.mark.slow
 def test_multiprocess_engine_loads_a_16k_prompt(engines, cluster):
     """vLLM's default layout: scheduler and worker in separate processes (metadata pickled)."""
