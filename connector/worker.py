@@ -59,7 +59,7 @@ class WorkerSide:
         self.stats_lock = threading.Lock()
         self._held: set[str] = set()          # finished requests whose blocks we keep
         self._finished_seen: set[str] = set()
-        self._gathers: dict[str, list[Any]] = {}  # req -> CUDA events of pending gathers
+        self._gathers: dict[str, list[Any]] = {}  # held req -> CUDA events of its gathers
         self._errors: set[int] = set()
         self._idle_step = False
 
@@ -111,7 +111,7 @@ class WorkerSide:
         for s in range(0, len(keys), step):
             buf = self.save_pool.acquire()  # waits while all are in flight: backpressure
             ready = stage_save(self.paged, buf, job.block_ids[s:s + step], self.m)
-            if ready is not None:
+            if ready is not None and job.req_id in self._held:  # its blocks wait for this
                 self._gathers.setdefault(job.req_id, []).append(ready)
             self.io.submit_save(SaveBatch(job.req_id, keys[s:s + step], buf, hint, ready))
 
