@@ -17,11 +17,13 @@ import stat
 import time
 from pathlib import Path
 
+from kvtier.store.index_record import READY, decode_entry
 from kvtier.tiers.base import Problem
 
 PROBE_PREFIX = ".kvtier-probe-"
 PROBE_STALE_S = 60.0
 READ_BATCH_BYTES = 64 << 20  # bytes read back per batch: bounds a check's memory
+PAGE_ENTRIES = 16384  # index entries per page (one read transaction each)
 
 
 def probe_problem(tier: str, path: Path, st: os.stat_result, now: float) -> Problem | None:
@@ -83,6 +85,34 @@ def batches(items: list, size_of, max_bytes: int = READ_BATCH_BYTES, max_items: 
         nbytes += n
     if batch:
         yield batch
+
+
+def page_rows(cur, tid: int, after: bytes, limit: int) -> tuple[list, bytes | None]:
+    """Up to `limit` rows of the index's `blocks` table of tier `tid` after the row `after`,
+    and the row the next page starts after (None: none is left)."""
+    rows: list = []
+    if not cur.set_range(after):
+        return rows, None
+    for k, raw in cur:
+        if k == after or k[24] != tid:
+            continue
+        rows.append((bytes(k), raw))
+        if len(rows) >= limit:
+            return rows, bytes(k)
+    return rows, None
+
+
+def entry_pages(index, tier: str):
+    """This node's READY entries of `tier`, a page at a time, each page read in its own
+    transaction (a read transaction held for a whole scan would keep LMDB from reusing
+    pages while writers commit)."""
+    tid, after = index.tier_id(tier), b""
+    while after is not None:
+        with index.read() as txn:
+            rows, after = page_rows(txn.cursor(db=index.db("blocks")), tid, after,
+                                    PAGE_ENTRIES)
+        page = [decode_entry(raw, k[:24].hex(), tier) for k, raw in rows]
+        yield [e for e in page if e.state == READY]
 
 
 class Ticker:

@@ -32,6 +32,7 @@ open-time recovery (park dead writers' regions, drop entries of reclaimed genera
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,10 +41,11 @@ from kvtier.store import block
 from kvtier.store.errors import CorruptBlockError
 from kvtier.store.index_record import READY, Entry, decode_entry
 from kvtier.store.keys import key_bytes
+from kvtier.tiers import check_files
 from kvtier.tiers.base import Problem
 from kvtier.tiers.buffers import round_up
 from kvtier.tiers.check_files import (PROBE_PREFIX, Ticker, batches, describe, lstat_or_none,
-                                      probe_problem, remove_path)
+                                      page_rows, probe_problem, remove_path)
 from kvtier.tiers.io_engines import IOOp
 from kvtier.tiers.region_rows import BLK, RETIRED, SLOT, Region, unpack_loc
 
@@ -57,11 +59,18 @@ class Snapshot:
     allocated: dict[tuple[int, int, int], str | None] = field(default_factory=dict)
     reclaimed: set[tuple[int, int]] = field(default_factory=set)  # (slot, gen) with a C row
     file_bytes: int = -1  # -1: there is no data file
+    next_after: bytes | None = None  # where the next page starts (None: this was the last)
 
 
 def check(tier, progress=None) -> list[Problem]:
     """Every problem of the tier; changes nothing."""
-    return _check_entries(tier, snapshot(tier), progress) + _dir_problems(tier)
+    ticker = Ticker(progress, tier.index.tier_usage(tier.name)[0])
+    problems, after = [], b""
+    while after is not None:  # page by page; each page is one consistent snapshot
+        snap = snapshot(tier, after=after, limit=check_files.PAGE_ENTRIES)
+        problems += _check_entries(tier, snap, ticker)
+        after = snap.next_after
+    return problems + _dir_problems(tier)
 
 
 def repair(tier, problems) -> int:
@@ -69,7 +78,7 @@ def repair(tier, problems) -> int:
     keys = sorted({p.key for p in problems if p.key and p.kind in ENTRY_KINDS})
     fixed = 0
     if keys:
-        bad = [p.key for p in _check_entries(tier, snapshot(tier, keys), None)]
+        bad = [p.key for p in _check_entries(tier, snapshot(tier, keys), Ticker(None, 0))]
         fixed += len(tier.index.delete(tier.name, bad))
     for p in problems:
         if p.kind in ("orphan", "stale_temp") and p.path and _still_junk(tier, Path(p.path)):
@@ -79,16 +88,19 @@ def repair(tier, problems) -> int:
     return fixed
 
 
-def snapshot(tier, keys: list[str] | None = None) -> Snapshot:
-    """READY entries (all, or of `keys`) and the region rows they name, in one transaction."""
+def snapshot(tier, keys: list[str] | None = None, after: bytes = b"",
+             limit: int = sys.maxsize) -> Snapshot:
+    """READY entries (of `keys`, or up to `limit` of the tier's after the index row `after`)
+    and the region rows they name, in one read transaction."""
     index, tid, snap = tier.index, tier.index.tier_id(tier.name), Snapshot()
     table = index.table(f"nvme.{tier.name}")  # before the txn: opening one inside deadlocks
     with index.read() as txn:
         if keys is None:
-            rows = ((k, raw) for k, raw in txn.cursor(db=index.db("blocks")) if k[24] == tid)
+            rows, snap.next_after = page_rows(txn.cursor(db=index.db("blocks")), tid, after,
+                                              limit)
         else:
             ks = [key_bytes(k) + bytes([tid]) for k in keys]
-            rows = ((k, txn.get(k, db=index.db("blocks"))) for k in ks)
+            rows = [(k, txn.get(k, db=index.db("blocks"))) for k in ks]
         for k, raw in rows:
             e = decode_entry(raw, k[:24].hex(), tier.name) if raw is not None else None
             if e is not None and e.state == READY:
@@ -106,7 +118,7 @@ def snapshot(tier, keys: list[str] | None = None) -> Snapshot:
     return snap
 
 
-def _check_entries(tier, snap: Snapshot, progress) -> list[Problem]:
+def _check_entries(tier, snap: Snapshot, ticker: Ticker) -> list[Problem]:
     problems, placed = [], []
     for e in snap.entries:
         if unpack_loc(e.loc_a) in snap.reclaimed:
@@ -118,7 +130,8 @@ def _check_entries(tier, snap: Snapshot, progress) -> list[Problem]:
             placed.append(e)
         else:
             problems.append(Problem(why[0], tier.name, e.key, detail=why[1]))
-    return problems + _verify(tier, placed, progress)
+    ticker.add(len(snap.entries) - len(placed))
+    return problems + _verify(tier, placed, ticker)
 
 
 def misplaced(tier, e: Entry, snap: Snapshot) -> tuple[str, str] | None:
@@ -146,9 +159,9 @@ def misplaced(tier, e: Entry, snap: Snapshot) -> tuple[str, str] | None:
     return None
 
 
-def _verify(tier, entries: list[Entry], progress) -> list[Problem]:
+def _verify(tier, entries: list[Entry], ticker: Ticker) -> list[Problem]:
     """Read each entry's frame back and compare; problems only where nothing moved since."""
-    problems, ticker = [], Ticker(progress, len(entries))
+    problems = []
     for batch in batches(entries, lambda e: round_up(e.size)):
         bufs = [tier._bounce.take(round_up(e.size)) for e in batch]
         try:

@@ -1,8 +1,10 @@
 """`check` and `repair` of the sharedfs tier (`SharedFSTier.check` / `.repair`), and the
 sweep of its quarantine (`inspect gc`).
 
-`check` walks the tree (`tiers.sharedfs_walk`), reads every block file of every node back and
-verifies it, then compares this node's READY index entries with what it found.
+`check` walks the tree one fan-out directory at a time (`tiers.sharedfs_walk`), reads every
+block file of every node back, verifies it and compares it with this node's entry of it, if
+any; then looks up the file of each of this node's READY entries, a page of entries at a time
+(memory stays bounded however large the tree and the index are).
 
 Guarantees:
 - read-only: no file, directory or index entry changes (open the tier with
@@ -33,20 +35,33 @@ from pathlib import Path
 
 from kvtier.store import block
 from kvtier.store.errors import CorruptBlockError
-from kvtier.store.index_record import READY, Entry
+from kvtier.store.index_record import Entry
 from kvtier.tiers import sharedfs_files as files
 from kvtier.tiers.base import Problem
-from kvtier.tiers.check_files import Ticker, batches, lstat_or_none, remove_path
-from kvtier.tiers.sharedfs_walk import junk_problem, walk
+from kvtier.tiers.check_files import (Ticker, batches, entry_pages, lstat_or_none,
+                                      remove_path)
+from kvtier.tiers.sharedfs_walk import junk_problem, list_leaf, walk_top
 
 KEYED = ("missing", "corrupt", "size", "checksum")
 
 
 def check(tier, progress=None) -> list[Problem]:
     """Every problem of the tier; changes nothing."""
-    listing = walk(tier)
-    entries = list(tier.index.scan(tier.name, states=(READY,)))
-    return listing.problems + _check_blocks(tier, listing.blocks, entries, progress)[0]
+    top = walk_top(tier)
+    ticker = Ticker(progress, len(top.leaves) + tier.index.tier_usage(tier.name)[0])
+    problems = top.problems
+    for d in top.leaves:
+        leaf = list_leaf(tier, d)
+        entries = [e for e in tier.index.get(tier.name, list(leaf.blocks)) if e is not None]
+        problems += leaf.problems + _check_blocks(tier, leaf.blocks, entries)[0]
+        ticker.add(1)
+    for page in entry_pages(tier.index, tier.name):
+        for e in page:
+            p = _entry_problem(tier, e, {}, {})  # blocks already verified: is there a file?
+            if p is not None and _unchanged(tier, e):
+                problems.append(p)
+        ticker.add(len(page))
+    return problems
 
 
 def repair(tier, problems) -> int:
@@ -61,7 +76,7 @@ def repair(tier, problems) -> int:
             if st is not None and files.is_file(path):
                 blocks[key] = (path, st)
         entries = [e for e in tier.index.get(tier.name, keys) if e is not None]
-        again, headers = _check_blocks(tier, blocks, entries, None)
+        again, headers = _check_blocks(tier, blocks, entries)
         fixed += sum(_fix(tier, p, headers.get(p.key), blocks.get(p.key)) for p in again)
     now = time.time()
     for p in problems:
@@ -97,9 +112,9 @@ def _quarantined_at(name: str, st: os.stat_result) -> float:
     return st.st_ctime
 
 
-def _check_blocks(tier, blocks, entries: list[Entry], progress):
+def _check_blocks(tier, blocks, entries: list[Entry]):
     """(problems, {key: header of a sound file}) for block files and this node's entries."""
-    headers, problems = _verify(tier, blocks, progress)
+    headers, problems = _verify(tier, blocks)
     bad = {p.key for p in problems}
     for e in entries:
         if e.key in bad:
@@ -129,11 +144,10 @@ def _entry_problem(tier, e: Entry, blocks, headers) -> Problem | None:
     return None
 
 
-def _verify(tier, blocks, progress):
+def _verify(tier, blocks):
     """Read and verify every block file: ({key: header}, corrupt problems)."""
     headers, problems = {}, []
     items = sorted(blocks.items())
-    ticker = Ticker(progress, len(items))
     for batch in batches(items, lambda it: it[1][1].st_size):
         outs = [memoryview(bytearray(max(st.st_size, block.HEADER_SIZE)))
                 for _, (_, st) in batch]
@@ -154,7 +168,6 @@ def _verify(tier, blocks, progress):
             except CorruptBlockError as e:
                 if _same_file(path, st):
                     problems.append(Problem("corrupt", tier.name, key, str(path), str(e)))
-        ticker.add(len(batch))
     return headers, problems
 
 

@@ -35,10 +35,12 @@ _HEX2 = frozenset("0123456789abcdef")
 class Listing:
     blocks: dict[str, tuple[Path, os.stat_result]] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
+    leaves: list[Path] = field(default_factory=list)  # fan-out directories to list next
 
 
-def walk(tier) -> Listing:
-    """Every block file (by key) and every junk path under the tier's root."""
+def walk_top(tier) -> Listing:
+    """The fan-out directories under the tier's root, and the junk above them (a tree of
+    millions of files is then listed one leaf at a time: memory stays one leaf's worth)."""
     out, now = Listing(), time.time()
     for path, st in _entries(tier.root):
         if path.name in ROOT_DIRS and stat.S_ISDIR(st.st_mode):
@@ -46,21 +48,27 @@ def walk(tier) -> Listing:
         if _fanout(path, st):
             for sub, sst in _entries(path):
                 if _fanout(sub, sst):
-                    _leaf(tier, sub, out, now)
+                    out.leaves.append(sub)
                 else:
                     out.problems.append(junk_problem(tier, sub, sst, now))
         else:
             out.problems.append(junk_problem(tier, path, st, now))
-    return Listing(out.blocks, [p for p in out.problems if p is not None])
+    out.problems = [p for p in out.problems if p is not None]
+    return out
 
 
-def _leaf(tier, d: Path, out: Listing, now: float) -> None:
+def list_leaf(tier, d: Path) -> Listing:
+    """The block files of one fan-out directory, and its junk."""
+    out, now = Listing(), time.time()
     for path, st in _entries(d):
         key = block_key(path.name)
         if key is not None and stat.S_ISREG(st.st_mode) and block_path(tier.root, key) == path:
             out.blocks[key] = (path, st)
         else:
-            out.problems.append(junk_problem(tier, path, st, now))
+            p = junk_problem(tier, path, st, now)
+            if p is not None:
+                out.problems.append(p)
+    return out
 
 
 def junk_problem(tier, path: Path, st: os.stat_result, now: float) -> Problem | None:

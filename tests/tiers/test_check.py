@@ -16,8 +16,8 @@ import pytest
 from kvtier.store.config import MasterConfig
 from kvtier.store.index import Index
 from kvtier.store.index_record import encode_entry
-from kvtier.tiers import TierContext, nvme_check, open_tier
-from kvtier.tiers.check_files import remove_path
+from kvtier.tiers import TierContext, check_files, nvme_check, open_tier
+from kvtier.tiers.check_files import Ticker, remove_path
 from kvtier.tiers.sharedfs_check import sweep_quarantine
 from kvtier.tiers.sharedfs_files import QUARANTINE, block_path
 from tier_factories import FACTORIES, KiB, MiB, Spec, frame_for, keys_for
@@ -99,12 +99,13 @@ def test_nvme_region_reclaimed_under_the_check_is_not_a_problem(tmp_path):
     assert all(nvme_check.frame_problem(t.tier, e, b, len(b)) is not None
                for e, b in zip(snap.entries, raw))
     # ...but it looks again before reporting, and nothing changed that a reader would trust.
-    assert nvme_check._check_entries(t.tier, snap, None) == []
+    assert nvme_check._check_entries(t.tier, snap, Ticker(None, 0)) == []
     assert t.tier.check() == []
     t.close()
 
 
-def test_nvme_truncated_or_missing_data_file_and_lost_frames(tmp_path):
+def test_nvme_truncated_or_missing_data_file_and_lost_frames(tmp_path, monkeypatch):
+    monkeypatch.setattr(check_files, "PAGE_ENTRIES", 3)  # many snapshot pages
     t = Opened(tmp_path, "nvme-psync", capacity="2MiB")  # 4 regions of 512 KiB
     keys = keys_for(0, 14)
     t.put(keys)
@@ -121,8 +122,10 @@ def test_nvme_truncated_or_missing_data_file_and_lost_frames(tmp_path):
 
     t = Opened(tmp_path, "nvme-psync", capacity="2MiB", recover=False)
     want = {("missing", k) for k in keys if region_of[k] > 0} | {("missing", zeroed)}
-    problems = t.tier.check()
+    calls = []
+    problems = t.tier.check(lambda done, total: calls.append((done, total)))
     assert kinds(problems) == want and len(want) > 2
+    assert calls[0] == (0, 14) and calls[-1] == (14, 14)
     assert any("never written" in p.detail for p in problems if p.key == zeroed)
     assert os.path.getsize(data) == 512 * KiB  # the check neither resized...
     t.close()

@@ -26,6 +26,7 @@ from kvtier.store.index import Index
 from kvtier.store.index_record import Entry
 from kvtier.store.keys import block_keys
 from kvtier.store.tiered import TieredStore
+from kvtier.tiers import check_files
 from kvtier.tiers.regions import pack_loc, unpack_loc
 from kvtier.tiers.sharedfs_files import QUARANTINE, write_block
 from kvtier.tools.cli import app
@@ -136,7 +137,9 @@ def _state(pol, root) -> tuple:
         ix.close()
 
 
-def test_check_finds_every_planted_kind_and_fix_leaves_a_clean_store(tmp_path, shared_master):
+def test_check_finds_every_planted_kind_and_fix_leaves_a_clean_store(tmp_path, shared_master,
+                                                                      monkeypatch):
+    monkeypatch.setattr(check_files, "PAGE_ENTRIES", 5)  # entries checked over many pages
     path, pol = write_policy(tmp_path, shared_master.address)
     sessions = session_keys(2, 8)
     fill(pol, sessions)
