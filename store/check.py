@@ -1,10 +1,13 @@
 """Node checks and garbage collection behind `kvtier inspect check` and `inspect gc`.
 
 Both run offline (no engine running) or beside running instances: they open the node's index
-and its tiers the way any process of the node does, never start a master, and skip the pool
-when no master answers. `check` changes nothing; `fix=True` removes what cannot be trusted
-(index entries without bytes, bytes without entries, frames that fail verification, PENDING
-entries of dead writers, stale temp files) so that a second check comes back clean.
+and its tiers the way any process of the node does, and never start a master. `check` changes
+nothing: it reports dead writers' PENDING entries and usage counters that disagree with the
+entries (`store.check_index`), and what each tier's `check()` finds. `fix=True` removes what
+cannot be trusted (index entries without bytes, bytes without entries, frames that fail
+verification, PENDING entries of dead writers, stale temp files), rewrites the counters, and
+checks again; a tier that could not be opened (a mount missing, a master down while the index
+records pool blocks) is `unchecked`, and a report with one is never clean.
 
 Tiers are opened with `TierContext(recover=False)`: their open-time crash recovery (dropping
 dead writers' PENDING entries, sweeping stale temps) would otherwise clean the very leftovers
@@ -35,15 +38,16 @@ from kvtier.tiers.base import Problem
 class CheckReport:
     problems: list[Problem] = field(default_factory=list)
     fixed: int = 0
-    skipped: dict[str, str] = field(default_factory=dict)  # tier -> why it was not checked
+    skipped: dict[str, str] = field(default_factory=dict)  # tier -> why it needs no check
+    unchecked: dict[str, str] = field(default_factory=dict)  # tier -> why it could not be
 
     @property
     def clean(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.unchecked
 
     def to_dict(self) -> dict:
         return {"clean": self.clean, "fixed": self.fixed, "skipped": self.skipped,
-                "problems": [p.__dict__ for p in self.problems]}
+                "unchecked": self.unchecked, "problems": [p.__dict__ for p in self.problems]}
 
 
 def open_index(policy: Policy) -> Index:
@@ -72,12 +76,13 @@ def open_tiers(policy: Policy, index: Index, report: CheckReport,
                                        "keeps its metadata); nothing to check on this node"
             continue
         if cfg.kind == "mooncake" and not master_answers(policy.master.address):
-            report.skipped[cfg.name] = f"no master answers at {policy.master.address}"
+            report.unchecked[cfg.name] = f"the index records blocks of the pool and no " \
+                                         f"master answers at {policy.master.address}; start it"
             continue
         try:
             tiers.append(open_tier(cfg, ctx))
         except KVTierError as e:
-            report.skipped[cfg.name] = str(e)
+            report.unchecked[cfg.name] = str(e)
     return tiers
 
 
@@ -144,6 +149,7 @@ def gc_node(policy: Policy, min_age_s: float = 3600.0, shared: bool = False,
     index = open_index(policy)
     result = {"orphans": 0, "stale_temp": 0, "pending": 0, "bad_entries": 0, "quarantine": 0,
               "unreferenced": 0, "unreferenced_bytes": 0, "skipped": report.skipped,
+              "unchecked": report.unchecked,
               "dry_run": dry_run}
     try:
         tiers = open_tiers(policy, index, report, node_id)

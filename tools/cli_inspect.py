@@ -204,13 +204,21 @@ def check(policy: Optional[Path] = POLICY, fix: bool = typer.Option(
         raise typer.Exit(1)
 
 
-def _render_check(console: Console, data: dict) -> None:
+def _render_tiers(console: Console, data: dict) -> None:
     for tier, why in data["skipped"].items():
         console.print(f"[yellow]skipped {tier}[/yellow]: {why}")
+    for tier, why in data["unchecked"].items():
+        console.print(f"[red]could not check {tier}[/red]: {why}")
+
+
+def _render_check(console: Console, data: dict) -> None:
+    _render_tiers(console, data)
     if data["fixed"]:
         console.print(f"fixed {data['fixed']} problems")
     if data["clean"]:
         console.print("[green]clean[/green]")
+        return
+    if not data["problems"]:
         return
     table = Table(title=f"{len(data['problems'])} problems")
     for col in ("kind", "tier", "key", "path", "detail"):
@@ -235,11 +243,12 @@ def gc(policy: Optional[Path] = POLICY,
         result = gc_node(load_policy(policy), min_age_s, shared, dry_run,
                          None if as_json else update, quarantine_age_s, node_id)
     _emit(result, as_json, _render_gc)
+    if result["unchecked"]:
+        raise typer.Exit(1)
 
 
 def _render_gc(console: Console, d: dict) -> None:
-    for tier, why in d["skipped"].items():
-        console.print(f"[yellow]skipped {tier}[/yellow]: {why}")
+    _render_tiers(console, d)
     console.print(("would remove" if d["dry_run"] else "removed") +
                   f": {d['orphans']} orphans, {d['stale_temp']} stale temp files, "
                   f"{d['pending']} dead PENDING, {d['bad_entries']} entries without good "

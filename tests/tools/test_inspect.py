@@ -291,3 +291,19 @@ def test_check_of_a_missing_index_is_a_clear_error_and_makes_none(tmp_path):
         with pytest.raises(IndexError_, match="no kvtier index at .*point index.path"):
             run(pol)
     assert not (tmp_path / "index").exists()
+
+
+def test_a_tier_that_cannot_be_opened_is_unchecked_and_never_clean(tmp_path):
+    path, pol = write_policy(tmp_path, master_address="127.0.0.1:1")  # no master there
+    ix = Index(pol.index.path)
+    assert ix.reserve([Entry(_key(1), "dram", size=block.HEADER_SIZE + PAYLOAD)]) == [True]
+    ix.commit("dram", [_key(1)])
+    ix.close()
+    (tmp_path / "nvme").write_text("a file where the tier directory belongs")
+    report = check_node(pol)
+    assert report.problems == [] and not report.clean
+    assert set(report.unchecked) == {"dram", "nvme"}
+    assert "no master answers" in report.unchecked["dram"]
+    out = cli("check", "-p", str(path))
+    assert out.exit_code == 1 and "could not check nvme" in out.stdout
+    assert cli("gc", "--dry-run", "-p", str(path)).exit_code == 1
