@@ -31,8 +31,20 @@ from kvtier.store.keys import key_bytes
 from kvtier.store.units import format_size
 
 SCHEMA_VERSION = 1
+FILE_MODE, DIR_MODE = 0o600, 0o700  # the index names every block a node holds: private
 _DBS = ("blocks", "pending", "tierstats", "sessions", "meta")
 _MAX_DBS = 32
+
+
+def make_private_dirs(path: Path) -> None:
+    """Create `path` and every missing parent 0700 (`mkdir(parents=True)` would give the
+    parents the umask's default, often world-readable)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        d.mkdir(mode=DIR_MODE, exist_ok=True)
 
 
 class Index:
@@ -58,7 +70,7 @@ class Index:
     def _open(self) -> None:
         if not self._readonly:
             try:
-                self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+                make_private_dirs(self.path)
             except OSError as e:
                 raise IndexError_(f"cannot create index directory {self.path} ({e.strerror}); "
                                   "set index.path to a writable directory") from None
@@ -67,7 +79,7 @@ class Index:
         try:
             self._env = lmdb.open(str(self.path), map_size=self._map_size, max_dbs=_MAX_DBS,
                                   max_readers=1024, readonly=self._readonly, lock=True,
-                                  readahead=False, meminit=False)
+                                  readahead=False, meminit=False, mode=FILE_MODE)
         except lmdb.Error as e:
             raise IndexError_(f"cannot open the index at {self.path}: {e}; check index.path "
                               "and its permissions") from None

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from kvtier.store.config import MasterConfig, kvtier_home
 from kvtier.store.errors import MasterError
+from kvtier.store.index import make_private_dirs
 
 DEBIAN_PACKAGES = "libibverbs1 librdmacm1 libnuma1"
 INSTALL_HINT = ("pip install 'kvtier[cpu]' (mooncake-transfer-engine-non-cuda) or "
@@ -67,6 +68,13 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() == 1:  # the owner died before prctl took effect
         os._exit(1)
+
+
+def private_file(path: Path, mode: str):
+    """`open(path, mode)` ("w" or "ab"), creating the file 0600 whatever the umask allows
+    (a master log names its clients, segments and keys)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_APPEND if "a" in mode else 0)
+    return os.fdopen(os.open(path, flags, 0o600), mode)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -131,7 +139,7 @@ class EmbeddedMaster:
             raise MasterError(f"port {self.address} is already in use; stop what listens there "
                               "or set master.address to a free port")
         self.metrics_port = free_port(self.host)
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        log = private_file(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self._log = log if self.log_path else None
         try:
             # The owner's death ends the master: no orphan keeps ports or memory, and the
@@ -211,8 +219,8 @@ def ensure_master(cfg: MasterConfig, lock_dir: Path | None = None) -> EmbeddedMa
         raise MasterError(f"no Mooncake master answers at {cfg.address}; start one "
                           "(`kvtier master`) or set master.embedded: true")
     lock_dir = lock_dir or kvtier_home()
-    lock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with open(lock_dir / f"master-{cfg.port}.lock", "w") as lock:
+    make_private_dirs(lock_dir)
+    with private_file(lock_dir / f"master-{cfg.port}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if master_answers(cfg.address):
             return None
