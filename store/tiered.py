@@ -11,8 +11,9 @@ Primitives (batched; a miss is a value):
   background. No tier failure reaches the caller: an unreachable tier is skipped.
 - `finish(keys, hint)`: a request ended (the end of a session's turn).
 
-Callers guarantee what the tier contract asks (well-formed keys, sealed frames, big enough
-out buffers). The store guarantees: a block is returned only after verification; every copy
+Callers guarantee what the tier contract asks (sealed frames, big enough out buffers); a
+batch holding anything but well-formed keys is refused whole (ValueError), so no string
+reaches a tier as a key. The store guarantees: a block is returned only after verification; every copy
 between tiers is written (two-phase in the index) before the copy it replaces is dropped,
 so a crash at any point leaves each block readable from at least one tier or cleanly gone;
 lookups never wait for the mover.
@@ -30,6 +31,7 @@ from typing import Sequence
 from kvtier.store.config import Policy
 from kvtier.store.errors import TierError, TierUnavailableError
 from kvtier.store.index import Index
+from kvtier.store.keys import check_keys
 from kvtier.store.master import EmbeddedMaster, ensure_master
 from kvtier.store.mover import Mover
 from kvtier.store.placement import Placement
@@ -86,6 +88,7 @@ class TieredStore:
 
     def lookup(self, keys: Sequence[str], hint: SessionHint | None = None) -> LookupResult:
         """The longest prefix of `keys` present in any tier; never blocks on the mover."""
+        check_keys(keys)
         found: list[str | None] = [None] * len(keys)
         for tier in self.tiers:
             todo = [i for i in range(len(keys)) if found[i] is None]
@@ -105,6 +108,7 @@ class TieredStore:
 
     def load(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int]:
         """Read each block from the fastest tier that has it; payload length or MISS."""
+        check_keys(keys)
         result = [MISS] * len(keys)
         todo = list(range(len(keys)))
         for tier in self.tiers:
@@ -131,6 +135,7 @@ class TieredStore:
         """Write-through to the first tier that answers (deduplicated); the mover persists
         below it. A tier that cannot be reached (the pool while its master is down) is
         skipped, so saves keep landing in the capacity tiers and never fail the caller."""
+        check_keys(keys)
         for tier in self.tiers:
             try:
                 return self._save_to(tier, keys, frames, hint)
