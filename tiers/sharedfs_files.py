@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from kvtier.store.errors import TierError
-from kvtier.store.keys import NS_HEX
+from kvtier.store.keys import NS_HEX, check_key
 
 SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
@@ -39,7 +39,9 @@ DIR_MODE = 0o700
 
 
 def block_path(root: Path, key: str) -> Path:
-    chain = key[NS_HEX:]
+    """Where `key` lives under `root`; ValueError for anything but a block key (so no
+    string handed to a tier becomes a path outside the root)."""
+    chain = check_key(key)[NS_HEX:]
     return root / chain[:2] / chain[2:4] / (key + SUFFIX)
 
 
