@@ -69,13 +69,13 @@ class Sizing:
         if seg < MIN_SEGMENT and frac >= 1:
             return MIN_SEGMENT
         if seg < MIN_SEGMENT:
-            need = MIN_SEGMENT * self.instances / max(self.working_set_bytes, 1)
+            need = MIN_SEGMENT * self.instances / max(frac * self.working_set_bytes, 1)
             raise ReplayError(
-                f"a DRAM pool of {100 * frac:g}% of the working set "
-                f"({self.working_set_bytes / 2**20:.0f} MiB) gives each of {self.instances} "
+                f"a DRAM pool of {100 * frac:g}% of the working set (which is "
+                f"{self.working_set_bytes / 2**20:.0f} MiB) gives each of {self.instances} "
                 f"instances {seg / 2**20:.1f} MiB, below Mooncake's 16 MiB segment; raise "
-                f"--sessions, --turns or --scale (need {need:.2f}x this working set), or use "
-                "fewer instances")
+                f"--sessions, --turns, --scale or --dtype float32 (a working set "
+                f"{need:.2f}x this one), or use fewer instances")
         return seg
 
 

@@ -15,21 +15,23 @@ tiered variant (dram + nvme + sharedfs) for `lru` and `agentic`. Returns plain d
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing as mp
 import os
-import pickle
 import platform
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+import numpy as np
 
 from kvtier.store.config import kvtier_home
 from kvtier.tools.segments import Compiled, compile_workload
 from kvtier.tools.sim_tiered import TieredReplay
 from kvtier.tools.simulate import Replay, SimParams, total_input_tokens
 from kvtier.tools.synthetic import SyntheticSpec, synthetic
-from kvtier.tools.traces import load_mooncake, load_weka
+from kvtier.tools.traces import Workload, load_mooncake, load_weka
 
 CLASSIC = ("lru", "s3fifo", "arc")
 GAP_TARGETS = ("synthetic", "weka")  # where target (a) applies
@@ -59,22 +61,41 @@ def load(name: str, spec: RunSpec) -> Compiled:
         return compile_workload(synthetic(spec.synthetic), 16)
     path = spec.traces / ("weka_cc_traces" if name == "weka" else "conversation_trace.jsonl")
     key = _cache_key(name, path, spec)
-    cached = kvtier_home() / "replay-cache" / f"{name}-{key}.pkl"
+    cached = kvtier_home() / "replay-cache" / f"{name}-{key}.npz"
     if spec.cache and cached.exists():
-        with open(cached, "rb") as f:
-            return pickle.load(f)
+        return _read_cache(cached)
     if name == "weka":
         work, seg = load_weka(path, spec.weka_chunk_tokens, spec.weka_live, spec.seed), 64
     else:
         work, seg = load_mooncake(path), 8
     c = compile_workload(work, seg)
     if spec.cache:
-        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = cached.with_suffix(f".tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            pickle.dump(c, f, protocol=pickle.HIGHEST_PROTOCOL)
+        _write_cache(tmp, c)
         os.replace(tmp, cached)
     return c
+
+
+def _write_cache(path: Path, c: Compiled) -> None:
+    """Arrays and a JSON header in an .npz: a cache file is data, never code (no pickle)."""
+    w = c.work
+    arrays = {f"work.{f.name}": getattr(w, f.name) for f in fields(w)
+              if isinstance(getattr(w, f.name), np.ndarray)}
+    arrays.update({f.name: getattr(c, f.name) for f in fields(c) if f.name != "work"})
+    meta = json.dumps({"name": w.name, "block_tokens": w.block_tokens,
+                       "gap_names": list(w.gap_names)}).encode()
+    with open(path, "wb") as f:
+        np.savez(f, meta=np.frombuffer(meta, dtype=np.uint8), **arrays)
+
+
+def _read_cache(path: Path) -> Compiled:
+    with np.load(path, allow_pickle=False) as z:
+        meta = json.loads(bytes(z["meta"]))
+        work = Workload(meta["name"], meta["block_tokens"], gap_names=tuple(meta["gap_names"]),
+                        **{k[5:]: z[k] for k in z.files if k.startswith("work.")})
+        return Compiled(work, **{k: z[k] for k in z.files
+                                 if k != "meta" and not k.startswith("work.")})
 
 
 def _cache_key(name: str, path: Path, spec: RunSpec) -> str:

@@ -89,7 +89,8 @@ def _start_workers(root, cfg, sizing, n, address, spec):
         for k in range(n):
             pol = node_policy(root, f"n{k}", address, cfg, sizing, spec.chunk_tokens,
                               spec.eviction, spec.admission)
-            workers.append(SimWorker(pol, f"n{k}", sizing.block_bytes))
+            workers.append(SimWorker(pol, f"n{k}", sizing.block_bytes,
+                                     str(root / f"instance-n{k}.log")))
         errors: list[BaseException] = []
 
         def ready(w) -> None:

@@ -32,11 +32,13 @@ from kvtier.tiers import MISS
 class SimWorker:
     """The coordinator's handle on one instance process (spawned; calls are synchronous)."""
 
-    def __init__(self, policy: dict, node_id: str, payload_bytes: int):
+    def __init__(self, policy: dict, node_id: str, payload_bytes: int, log_path: str):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_main, args=(child, policy, node_id, payload_bytes),
+        self.proc = ctx.Process(target=_main, args=(child, policy, node_id, payload_bytes,
+                                                    log_path),
                                 name=f"kvtier-sim-{node_id}", daemon=True)
+        self.log_path = log_path
         self.proc.start()
         child.close()
 
@@ -53,9 +55,10 @@ class SimWorker:
         except EOFError:
             self.proc.join(5)
             raise RuntimeError(f"simulated instance {self.proc.name} exited with code "
-                               f"{self.proc.exitcode}") from None
+                               f"{self.proc.exitcode}; see {self.log_path}") from None
         if not ok:
-            raise RuntimeError(f"simulated instance {self.proc.name}: {value}")
+            raise RuntimeError(f"simulated instance {self.proc.name}: {value} (log: "
+                               f"{self.log_path})")
         return value
 
     def close(self) -> None:
@@ -127,8 +130,11 @@ class _Instance:
         return {"tiers": self.store.usage(), "mover": dict(self.store.mover.stats)}
 
 
-def _main(conn, policy: dict, node_id: str, payload_bytes: int) -> None:
-    os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's info chatter, before it loads
+def _main(conn, policy: dict, node_id: str, payload_bytes: int, log_path: str) -> None:
+    # Mooncake and tracebacks write to fds 1 and 2: into the instance's log, not the console
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
     try:
         inst = _Instance(policy, node_id, payload_bytes)
     except Exception as e:  # reported to the coordinator in one line
