@@ -106,7 +106,8 @@ class Child:
         self.log = open(log, "ab") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / script), json.dumps(job)], stdout=subprocess.PIPE,
-            stderr=self.log, env={**os.environ, **(env or {})}, cwd=str(TESTS))
+            stdin=subprocess.PIPE, stderr=self.log, env={**os.environ, **(env or {})},
+            cwd=str(TESTS))
         self._buf = b""
 
     @property
@@ -158,8 +159,14 @@ class Child:
         assert self.proc.wait(timeout_s) == 0, f"child exited with {self.proc.returncode}"
         return lines
 
+    def release(self) -> None:
+        """Let a holding child go on (closes its stdin)."""
+        if not self.proc.stdin.closed:
+            self.proc.stdin.close()
+
     def close(self) -> None:
         self.kill()
+        self.release()
         self.proc.stdout.close()
         if self.log is not subprocess.DEVNULL:
             self.log.close()

@@ -8,7 +8,8 @@ JSON line per step so the parent knows how far it got before it kills the proces
 - `{"saved": request, "keys": [...]}` after `save` returned for those keys,
 - `{"read": request, "hits": n, "wrong": [...]}` after loading an earlier request,
 - `{"done": counters}` after a clean close (only when not killed first).
-With `"forever": true` it keeps going until it is killed.
+With `"forever": true` it keeps going until it is killed; with `"hold": true` it waits for a
+line on stdin after `ready` (the parent inspects the open store's sockets and files).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def run(job: dict) -> None:
     store = TieredStore(make(job["policy"]), node_id=job.get("node", "node-a"))
     rng = random.Random(job.get("seed", 0))
     say({"ready": os.getpid()})
+    if job.get("hold"):  # keep the store open until the parent writes a line (or closes)
+        sys.stdin.readline()
     size, blocks = job["size"], job["blocks"]
     r, end = job["first"], job["first"] + job.get("count", 0)
     try:
