@@ -14,6 +14,7 @@ acquires; `acquire` blocks while all are taken (backpressure on saves, never a d
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 
@@ -40,6 +41,11 @@ class FrameBuffer:
             self.host = torch.frombuffer(self._mv, dtype=torch.uint8, count=nbytes)
             self.device_view = self.host
 
+    @property
+    def memory(self) -> memoryview:
+        """The whole host buffer (to register it with a tier for zero-copy transfers)."""
+        return self._mv
+
     def frame(self, i: int) -> memoryview:
         """Frame i of the host buffer (writable, page aligned)."""
         return self._mv[i * self.stride:(i + 1) * self.stride]
@@ -64,11 +70,13 @@ class FrameBuffer:
 class StagingPool:
     """At most `max_buffers` frame buffers, created on first use and reused."""
 
-    def __init__(self, capacity: int, stride: int, device: torch.device, max_buffers: int):
+    def __init__(self, capacity: int, stride: int, device: torch.device, max_buffers: int,
+                 on_new: Callable[[FrameBuffer], None] | None = None):
         self.capacity = capacity
         self.stride = stride
         self.device = device
         self.max_buffers = max_buffers
+        self.on_new = on_new  # called once per buffer created (e.g. to register it)
         self._free: list[FrameBuffer] = []
         self._created = 0
         self._cond = threading.Condition()
@@ -81,7 +89,10 @@ class StagingPool:
             if self._free:
                 return self._free.pop()
             self._created += 1
-        return FrameBuffer(self.capacity, self.stride, self.device)
+        buf = FrameBuffer(self.capacity, self.stride, self.device)
+        if self.on_new is not None:
+            self.on_new(buf)
+        return buf
 
     def release(self, buf: FrameBuffer) -> None:
         with self._cond:

@@ -24,9 +24,10 @@ from kvtier.connector.io_thread import IOThread, LoadBatch, SaveBatch, stage_sav
 from kvtier.connector.layout import PagedKV
 from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob
 from kvtier.connector.naming import check_layout, kv_shape, make_namespace, rank_keys
-from kvtier.connector.staging import StagingPool
+from kvtier.connector.staging import FrameBuffer, StagingPool
 from kvtier.connector.stats import KVTierStats
 from kvtier.store import block
+from kvtier.store.errors import KVTierError
 from kvtier.store.tiered import SessionHint
 
 log = logging.getLogger(__name__)
@@ -70,13 +71,26 @@ class WorkerSide:
         stride = block.frame_size(self.payload_len, block.PAGE)
         per_buffer = max(1, self.cfg.staging_buffer_bytes // stride)
         device = self.paged.device
-        self.save_pool = StagingPool(per_buffer, stride, device, self.cfg.staging_buffers)
-        load_pool = StagingPool(per_buffer, stride, device, 1)  # only the I/O thread loads
+        self.save_pool = StagingPool(per_buffer, stride, device, self.cfg.staging_buffers,
+                                     self._register)
+        load_pool = StagingPool(per_buffer, stride, device, 1, self._register)  # I/O thread
         self.io = IOThread(self.store, self.paged, load_pool, self.save_pool, self.m,
                            self.payload_len, self.stats, self.stats_lock)
         log.info("kvtier: %s KV layout%s, %d layers, %d-byte chunks, namespace %s",
                  self.paged.info.kind, " (fused)" if self.paged.info.fused else "",
                  self.paged.info.num_layers, self.payload_len, self.fingerprint)
+
+    def _register(self, buf: FrameBuffer) -> None:
+        """Let tiers that can (Mooncake) move frames straight to and from this buffer."""
+        for tier in getattr(self.store, "tiers", ()):
+            register = getattr(tier, "register", None)
+            if register is None:
+                continue
+            try:
+                register(buf.memory)
+            except KVTierError as e:  # still works, through the tier's own staging copy
+                log.warning("kvtier: staging buffer not registered with tier %s: %s",
+                            tier.name, e)
 
     # ---- per step -----------------------------------------------------------------------
 
