@@ -45,8 +45,8 @@ class LayoutError(KVTierError):
 def canonical_view(t: torch.Tensor, num_blocks: int, block_size: int) -> tuple[str, torch.Tensor]:
     """(kind, view) with `view` shaped `[num_blocks, H, N, C]` over the same memory as `t`."""
     shape = tuple(t.shape)
-    if t.dim() == 4 and shape[0] % num_blocks == 0 and shape[0] // num_blocks * shape[2] == block_size:
-        r = shape[0] // num_blocks
+    r = shape[0] // num_blocks if shape and shape[0] % num_blocks == 0 else 0
+    if t.dim() == 4 and r and r * shape[2] == block_size:
         if r == 1:
             return "BHNC", t
         # Kernel blocks: manager block b is kernel blocks b*r .. b*r+r-1; put the r pieces

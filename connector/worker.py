@@ -38,10 +38,10 @@ IDLE_WAIT_S = 0.02
 
 def _ranks() -> tuple[int, int]:
     """(tp_rank, pp_rank) of this worker; (0, 0) outside a distributed setup."""
-    from vllm.distributed.parallel_state import get_pp_group, get_tp_group, model_parallel_is_initialized
-    if not model_parallel_is_initialized():
+    from vllm.distributed import parallel_state as ps
+    if not ps.model_parallel_is_initialized():
         return 0, 0
-    return get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    return ps.get_tp_group().rank_in_group, ps.get_pp_group().rank_in_group
 
 
 class WorkerSide:
