@@ -32,6 +32,7 @@ open-time recovery (park dead writers' regions, drop entries of reclaimed genera
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import time
 from dataclasses import dataclass, field
@@ -236,9 +237,11 @@ def _path_problem(tier, path: Path, name: str, now: float) -> Problem | None:
     st = lstat_or_none(path)
     if st is None:
         return None
-    if name == _data_file() and path.is_file() and not path.is_symlink():
+    if name == _data_file() and stat.S_ISREG(st.st_mode):
         return None
-    if name.startswith(PROBE_PREFIX) and not path.is_symlink():
+    if name == "lost+found" and stat.S_ISDIR(st.st_mode):
+        return None  # the tier directory is a mount's root: the filesystem's own
+    if name.startswith(PROBE_PREFIX) and stat.S_ISREG(st.st_mode):
         return probe_problem(tier.name, path, st, now)
     return Problem("orphan", tier.name, path=str(path), detail=describe(st))
 
