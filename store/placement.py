@@ -12,6 +12,8 @@ promised to the caller are pinned for `PIN_S` so no eviction takes them before t
 from __future__ import annotations
 
 import math
+import os
+import secrets
 import threading
 import time
 from typing import Sequence
@@ -36,7 +38,10 @@ class Placement:
         self.clock = clock
         self.index = index
         self._lock = threading.RLock()
-        self.sessions = SessionTracker()
+        # Every process of a node keeps its sessions in the one index: inferred ids carry
+        # the process's own prefix, or two processes' "s1" would overwrite each other's
+        # manifests (and gc would then take blocks of a live session for unreferenced).
+        self.sessions = SessionTracker(id_prefix=f"{os.getpid():x}.{secrets.token_hex(2)}.")
         self.tiers = list(tiers)
         self.policies = {}
         for i, (tier, cfg) in enumerate(zip(self.tiers, policy.tiers)):

@@ -90,8 +90,9 @@ def common_prefix(a: Sequence, b: Sequence) -> int:
 class SessionTracker(SessionPredictions):
     """Infers sessions from key chains; predicts their next turns. See the module docstring."""
 
-    def __init__(self, config: SessionConfig = SessionConfig()):
+    def __init__(self, config: SessionConfig = SessionConfig(), id_prefix: str = ""):
         self.config = config
+        self.id_prefix = id_prefix  # inferred ids are `<prefix>s<n>`: unique per tracker
         self.model = GapModel(config.prior)
         self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()  # least recent first
         self._refs: dict[Hashable, int] = {}
@@ -110,7 +111,7 @@ class SessionTracker(SessionPredictions):
         s = self._sessions.get(session) if session is not None else self._infer(keys)
         new = s is None
         if new:
-            s = _Session(session if session is not None else f"s{next(self._ids)}", now)
+            s = _Session(session if session is not None else f"{self.id_prefix}s{next(self._ids)}", now)
             self._sessions[s.sid] = s
             self._force_out(now)
         else:
