@@ -2,14 +2,18 @@
 
 Usage: `python store_writer.py JOB_JSON`. The job names the policy (a dict), the node id, the
 requests to save (`first`, `count`: request ids `r<first>`...; `blocks` chunks each of
-`size` bytes) and how many earlier requests to read back and re-save (`reread`). Prints one
+`size` bytes; with `common: n` every other request is one of `n` that all writers share),
+how many earlier requests to read back and re-save (`reread`), and whether sessions are
+hinted (three per writer) or inferred by the store (`infer`). Prints one
 JSON line per step so the parent knows how far it got before it kills the process:
 - `{"ready": pid}` once the store is open (its index recovered),
 - `{"saved": request, "keys": [...]}` after `save` returned for those keys,
 - `{"read": request, "hits": n, "wrong": [...]}` after loading an earlier request,
-- `{"done": counters}` after a clean close (only when not killed first).
-With `"forever": true` it keeps going until it is killed; with `"hold": true` it waits for a
-line on stdin after `ready` (the parent inspects the open store's sockets and files).
+- `{"done": mover stats, "sessions": live sessions, "counters": per tier}` after a clean
+  close (only when not killed first).
+With `"forever": true` it keeps going until it is killed; with `"until_released": true`,
+until the parent closes its stdin (then it finishes cleanly); with `"hold": true` it waits
+for a line on stdin after `ready` (the parent inspects the open store's sockets and files).
 """
 
 from __future__ import annotations
@@ -17,10 +21,16 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import sys
 
 from fault_util import frame_for, load_checked, make, request_keys
 from kvtier.store.tiered import SessionHint, TieredStore
+
+
+def released() -> bool:
+    """True once the parent closed our stdin (or wrote a line): time to finish cleanly."""
+    return bool(select.select([sys.stdin], [], [], 0)[0])
 
 
 def say(obj: dict) -> None:
@@ -36,10 +46,12 @@ def run(job: dict) -> None:
     size, blocks = job["size"], job["blocks"]
     r, end = job["first"], job["first"] + job.get("count", 0)
     try:
-        while job.get("forever") or r < end:
-            rid = f"r{r}"
+        while job.get("forever") or r < end or (job.get("until_released") and not released()):
+            common = job.get("common", 0)  # every other request is one all writers share
+            rid = f"c{r % common}" if common and r % 2 else f"r{r}"
             keys = request_keys(rid, blocks)
-            hint = SessionHint(session_id=f"s{r % 3}")
+            # hinted: three sessions named by the caller; else the store infers them
+            hint = None if job.get("infer") else SessionHint(session_id=f"s{r % 3}")
             store.lookup(keys, hint)
             ok = store.save(keys, [frame_for(k, size) for k in keys], hint)
             store.finish(keys, hint)
@@ -52,9 +64,11 @@ def run(job: dict) -> None:
                     store.save(okeys, [frame_for(k, size) for k in okeys])
                 say({"read": old, "hits": sum(hits), "wrong": wrong})
             r += 1
+        sessions = len(store.placement.session_rows())
+        counters = {t: store.by_name[t].counters() for t in store.by_name}
     finally:
         store.close()  # drains the mover's queue: every saved block is persisted
-    say({"done": dict(store.mover.stats)})
+    say({"done": dict(store.mover.stats), "sessions": sessions, "counters": counters})
 
 
 if __name__ == "__main__":
