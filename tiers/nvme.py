@@ -15,7 +15,8 @@ Guarantees, on top of the contract of `tiers.base`:
   its region was reclaimed under the read is a plain miss.
 - A full tier reclaims regions by itself; TierFullError only for ENOSPC (the disk under the
   file is full) or when every region is held by a live writer. `.stored` lists the batch's
-  keys that are stored.
+  keys that are stored. After ENOSPC the tier takes no fresh region until it is opened again:
+  the next puts reclaim the oldest sealed regions, whose disk blocks exist.
 - Blocks survive a restart of the process (the index and the file persist). A power loss may
   lose recent writes (no fsync of the data file): those frames fail verification, so they are
   misses, never wrong bytes.
@@ -269,7 +270,10 @@ class NvmeTier(Tier):
         if errors:
             log.warning("nvme tier %r: %d writes failed (%s)", self.name, errors,
                         os.strerror(-min(res)))
-        return f"the disk under {self.path} is full (ENOSPC)" if enospc else None
+        if not enospc:
+            return None
+        self.regions.out_of_space()  # from now on reclaim old regions instead of new ones
+        return f"the disk under {self.path} is full (ENOSPC)"
 
     # ---- reads -------------------------------------------------------------------------
 

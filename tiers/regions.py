@@ -11,7 +11,8 @@ One LMDB table per tier (`nvme.<tier>`), rows by prefix:
 - `B` slot gen offset -> block key: what was allocated where (to find a region's blocks)
 - `C` slot gen -> b"": a reclaimed generation whose index entries still need dropping
 - `P` slot -> b"": an open region without a live writer, to be adopted first
-- `M` name -> value: the fresh-slot counter, the seal counter, the layout
+- `M` name -> value: the fresh-slot counter, the seal counter, the layout, and `nospace`
+  while the disk under the data file is full (set on ENOSPC, cleared at open)
 
 Locations in the index: `loc_a = gen << 32 | slot`, `loc_b = offset in the region`. Reclaim
 bumps the region's generation in the same transaction that hands it to its new writer, so an
@@ -81,6 +82,7 @@ class RegionTable:
         self._open_table()
 
         def go(txn):
+            txn.delete(b"Mnospace", db=self._db)  # a new chance for fresh regions (see below)
             for r in self._regions(txn):
                 if r.slot >= self.n_regions and r.state != RETIRED:
                     self._retire(txn, r)
@@ -175,7 +177,22 @@ class RegionTable:
                 return r
         return None
 
+    def out_of_space(self) -> None:
+        """The disk under the data file is full (ENOSPC): take no fresh region until the next
+        open, so writers reclaim the oldest sealed regions (whose disk blocks exist) instead,
+        and seal this process's open region, whose tail the disk could not hold."""
+        self._open_table()
+
+        def go(txn):
+            txn.put(b"Mnospace", b"1", db=self._db)
+            r = self._my_region(txn)
+            if r is not None:
+                self._seal(txn, r)
+        self.index.run_write(go)
+
     def _fresh(self, txn) -> Region | None:
+        if txn.get(b"Mnospace", db=self._db) is not None:
+            return None  # the disk is full: a fresh (sparse) region would fail again
         raw = txn.get(b"Mfresh", db=self._db)
         slot = int(raw) if raw else 0
         if slot >= self.n_regions:
