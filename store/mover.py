@@ -123,6 +123,7 @@ class Mover:
         if now - self._last_reap >= REAP_EVERY_S:
             self._last_reap = now
             self.reclaim(placement.reap())
+            self.store.save_counters()
 
     def reclaim(self, keys: list[str]) -> int:
         """Drop blocks no live session references from the node-local tiers.

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvtier.store.config import Policy
+from kvtier.store.counters import write_counters
 from kvtier.store.errors import TierError, TierUnavailableError
 from kvtier.store.index import Index
 from kvtier.store.keys import check_keys
@@ -177,6 +178,10 @@ class TieredStore:
         return {t.name: {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes(),
                          **t.counters()} for t in self.tiers}
 
+    def save_counters(self) -> None:
+        """Record this process's tier counters in the index (for `kvtier inspect`)."""
+        write_counters(self.index, self.node_id, self.usage())
+
     def close(self) -> None:
         """Stop the mover (draining queued persists), close tiers and index. Idempotent."""
         with self._lock:
@@ -184,6 +189,7 @@ class TieredStore:
                 return
             self._closed = True
         self.mover.stop()
+        self.save_counters()
         self._close_tiers()
         self.index.close()
 

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from kvtier.store.check import check_node, gc_node
 from kvtier.store.config import Policy, load_policy
+from kvtier.store.counters import SUMMED, read_counters
 from kvtier.store.index import Index
 from kvtier.store.index_record import PENDING, READY
 from kvtier.store.keys import check_key
@@ -58,9 +59,11 @@ def summarize(ix: Index, pol: Policy | None = None) -> dict:
             t["bytes"] += e.size
         elif e.state == PENDING:
             t["pending"] += 1
-    for t in tiers.values():
+    counters = read_counters(ix)
+    for name, t in tiers.items():
         for k in ("blocks", "bytes", "pending"):
             t.setdefault(k, 0)
+        t.update(counters.get(name, dict.fromkeys(SUMMED, 0)))
     with ix.read() as txn:
         n_sessions = txn.stat(ix.db("sessions"))["entries"]
     info, stat = ix._env.info(), ix._env.stat()
@@ -97,12 +100,15 @@ def inspect(ctx: typer.Context, policy: Optional[Path] = POLICY,
 
 def _render_summary(console: Console, data: dict) -> None:
     table = Table(title=f"kvtier index {data['index']}")
-    for col in ("tier", "kind", "capacity", "blocks", "bytes", "pending"):
+    for col in ("tier", "kind", "capacity", "blocks", "bytes", "pending", "hits", "misses",
+                "in", "out", "errors"):
         table.add_column(col, justify="left" if col in ("tier", "kind") else "right")
     for name, t in data["tiers"].items():
         cap = t.get("capacity_bytes")
         table.add_row(name, t.get("kind", "?"), format_size(cap) if cap else "-",
-                      str(t["blocks"]), format_size(t["bytes"]), str(t["pending"]))
+                      str(t["blocks"]), format_size(t["bytes"]), str(t["pending"]),
+                      str(t["hits"]), str(t["misses"]), format_size(t["bytes_in"]),
+                      format_size(t["bytes_out"]), str(t["errors"] + t["corrupt"]))
     console.print(table)
     h = data["health"]
     console.print(f"sessions: {data['sessions']}   pending: {h['pending']}   map: "
