@@ -5,8 +5,9 @@ one shared dir, one embedded `mooncake_master`) serve the tiny random model. For
 size, with fresh random prompts per measurement:
 
 - cold: `a` prefills a prompt nobody has seen (connector on: lookup miss, saves);
-- local: `a` again, the same prompt (vLLM's own prefix cache);
-- dram: `b`, the same prompt (a remote hit from the pool, after the mover persisted it);
+- local: `a` again, the same prompt (vLLM's own prefix cache), once `a`'s saves and the
+  mover's copies to nvme/sharedfs are done (so no background work runs beside it);
+- dram: `b`, the same prompt (a remote hit from the pool);
 - then, for a second set of prompts computed by `a` and persisted: the pool is wiped (the
   master restarted) and prefix caches reset; shared: `b` (its nvme never saw them);
   nvme: `a` (its node's nvme). `mover.promote_on_hit` is off so a read does not lift the
@@ -136,8 +137,8 @@ class Bench:
                 self.say(f"{n} tokens, round {r + 1}: cold, local, dram")
                 p = self.prompt(n)
                 self.ttft("a", p, "cold", results[n])
+                self.wait_persisted([p])  # a's saves and moves are done: nothing runs beside
                 self.ttft("a", p, "local", results[n])
-                self.wait_persisted([p])
                 self.ttft("b", p, "dram", results[n])
                 q = self.prompt(n)
                 self.ttft("a", q, "cold", results[n])
