@@ -17,7 +17,7 @@ import time
 from typing import Sequence
 
 from kvtier.store import block
-from kvtier.store.errors import TierError
+from kvtier.store.errors import TierError, TierFullError, TierUnavailableError
 from kvtier.tiers import MISS, Tier
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class Mover:
         self._stop = False
         self._arena: memoryview | None = None
         self._io_lock = threading.Lock()  # one batch in the arena at a time
+        self._full: dict[Tier, int] = {}  # tiers a copy found full -> bytes that did not fit
         self.stats = collections.Counter()
         self._thread = None
         self._last_reap = time.monotonic()
@@ -187,6 +188,8 @@ class Mover:
                 ready = [k for k in keys if k in frames]
                 if ready:
                     copied[dst.name] = self._put(src, dst, ready, [frames[k] for k in ready])
+        for dst, need in self._pop_full().items():
+            self.evict(dst, need)  # room for the next copies (this batch stays in `src`)
         for dst in plan:
             done = copied.get(dst.name, [])
             self.store.placement.on_insert(dst, done, [len(frames[k]) for k in done], None)
@@ -195,14 +198,51 @@ class Mover:
 
     def _put(self, src: Tier, dst: Tier, keys: list[str], frames: list[memoryview]
              ) -> list[str]:
+        """One copy's put, with the arena held: a full tier is only noted here, and made room
+        in by `fan_out` once the arena is free (eviction copies through the arena too)."""
         try:
-            ok = dst.put(keys, frames)
+            ok, err = self._try_put(dst, keys, frames)
+        except TierUnavailableError as e:
+            ok, err = [False] * len(keys), e
+        if err is not None:
+            self.stats["copy_errors"] += 1
+            log.warning("mover copy %s -> %s: %s", src.name, dst.name, err)
+        if isinstance(err, TierFullError):
+            self._full[dst] = self._full.get(dst, 0) + sum(
+                len(f) for f, good in zip(frames, ok) if not good)
+        return [k for k, good in zip(keys, ok) if good]
+
+    def put(self, dst: Tier, keys: Sequence[str], frames: Sequence[memoryview]) -> list[bool]:
+        """`dst.put` that survives a full tier: on TierFullError (a disk fuller than the
+        tier's capacity says, a pool with nothing evictable) evict what did not fit by the
+        tier's policy and try that once more. TierUnavailableError propagates; other tier
+        errors are logged and count as not stored. Not for use with the arena held."""
+        ok, err = self._try_put(dst, keys, frames)
+        if err is not None:
+            log.warning("put to %s incomplete: %s", dst.name, err)
+        rest = [i for i, good in enumerate(ok) if not good]
+        if isinstance(err, TierFullError) and rest:
+            self.stats[f"full_{dst.name}"] += 1
+            self.evict(dst, sum(len(frames[i]) for i in rest))
+            again, err = self._try_put(dst, [keys[i] for i in rest], [frames[i] for i in rest])
+            for i, good in zip(rest, again):
+                ok[i] = good
+        return ok
+
+    @staticmethod
+    def _try_put(dst: Tier, keys: Sequence[str], frames: Sequence[memoryview]
+                 ) -> tuple[list[bool], TierError | None]:
+        try:
+            return dst.put(keys, frames), None
+        except TierUnavailableError:
+            raise
         except TierError as e:
             stored = set(getattr(e, "stored", ()))
-            ok = [k in stored for k in keys]
-            self.stats["copy_errors"] += 1
-            log.warning("mover copy %s -> %s: %s", src.name, dst.name, e)
-        return [k for k, good in zip(keys, ok) if good]
+            return [k in stored for k in keys], e
+
+    def _pop_full(self) -> dict[Tier, int]:
+        full, self._full = self._full, {}
+        return full
 
     def _frames(self, sizes: list[int]) -> list[memoryview]:
         """Slices of the arena, page-aligned, for one batch (within the buffer budget)."""

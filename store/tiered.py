@@ -151,14 +151,8 @@ class TieredStore:
         stored = list(present)
         if new:
             self.mover.make_room(first, sum(len(frames[i]) for i in new))
-            try:
-                ok = first.put([keys[i] for i in new], [frames[i] for i in new])
-            except TierUnavailableError:
-                raise  # the next tier takes the batch
-            except TierError as e:
-                stored_keys = set(getattr(e, "stored", ()))
-                ok = [keys[i] in stored_keys for i in new]
-                log.warning("save to %s incomplete: %s", first.name, e)
+            # TierUnavailableError goes up: save() hands the batch to the next tier
+            ok = self.mover.put(first, [keys[i] for i in new], [frames[i] for i in new])
             for i, good in zip(new, ok):
                 stored[i] = good
             put = [keys[i] for i, good in zip(new, ok) if good]
