@@ -52,12 +52,13 @@ class Index:
 
     def __init__(self, path: str | os.PathLike[str], map_size_bytes: int = 1 << 30,
                  max_map_size_bytes: int = 64 << 30, identity: str | None = None,
-                 recover: bool = True, readonly: bool = False):
+                 recover: bool = True, readonly: bool = False, chunk_tokens: int | None = None):
         self.path = Path(path)
         self.max_map_size_bytes = max(max_map_size_bytes, map_size_bytes)
         self._map_size = map_size_bytes
         self._readonly = readonly
         self._identity = identity
+        self._chunk_tokens = chunk_tokens
         self._lock = threading.Condition()
         self._active = 0
         self._tier_ids: dict[str, int] = {}
@@ -108,6 +109,15 @@ class Index:
                     raise IndexError_(f"index at {self.path} belongs to namespace "
                                       f"{have.decode()!r}, the policy says {self._identity!r}; "
                                       "point index.path elsewhere or fix namespace")
+            if self._chunk_tokens is not None:
+                # Another chunk size names every block differently: all misses, silently.
+                have = txn.get(b"chunk_tokens", db=db)
+                if have is None:
+                    txn.put(b"chunk_tokens", str(self._chunk_tokens).encode(), db=db)
+                elif int(have) != self._chunk_tokens:
+                    raise IndexError_(f"index at {self.path} holds blocks of chunk_tokens "
+                                      f"{int(have)}, the policy says {self._chunk_tokens}; set "
+                                      "chunk_tokens to match or point index.path elsewhere")
 
     def _ensure_pid(self) -> None:
         if os.getpid() != self._pid:

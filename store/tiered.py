@@ -67,7 +67,8 @@ class TieredStore:
         self.clock = clock
         self.index = Index(policy.index.path, policy.index.map_size_bytes,
                            policy.index.max_map_size_bytes,
-                           identity=f"{policy.namespace.model or '*'}/{policy.namespace.tenant}")
+                           identity=f"{policy.namespace.model or '*'}/{policy.namespace.tenant}",
+                           chunk_tokens=policy.chunk_tokens)
         self.master: EmbeddedMaster | None = None
         if start_master and any(t.kind == "mooncake" for t in policy.tiers):
             self.master = ensure_master(policy.master)
