@@ -111,7 +111,7 @@ def replay(
     max_context: int = typer.Option(16384, min=64, help="engines: longest prompt"),
     max_batch: int = typer.Option(8, min=1, help="vllm: requests per engine call"),
     dtype: str = typer.Option("bfloat16", help="engines: KV dtype (bfloat16 | float32)"),
-    eviction: str = typer.Option("agentic", help="engines: kvtier eviction policy"),
+    eviction: str = typer.Option("lru", help="engines: kvtier eviction policy (kvtier's default)"),
     admission: str = typer.Option("reuse", help="engines: kvtier admission (reuse | always)"),
     out: Path = typer.Option(Path("replay-out"), help="engines: report, plots, logs"),
     calibration: Optional[Path] = typer.Option(None, help="sim: model calibration file"),

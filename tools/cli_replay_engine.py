@@ -39,7 +39,7 @@ class ProgressUI:
 
 
 def console() -> Console:
-    return Console(width=max(Console().width, 140))  # wide tables stay readable in logs
+    return Console(width=max(Console().width, 170))  # wide tables stay readable in logs
 
 
 def run_and_show(spec: EngineSpec, json_out: Path | None = None, plots: bool = True,

@@ -9,7 +9,9 @@ measured one request at a time, each TTFT taken inside the engine (vLLM's reques
 - `a` (tiers: nvme, shared) computes prompts; after a reset, it reads them back from its
   nvme (kind `nvme`); `s` (tier: shared only) reads what `a` persisted (kind `sharedfs`).
 A load sample counts only if the connector reports at least 90% of the prefix from the
-expected tier (a save still in flight would otherwise look like a compute row).
+expected tier (a save still in flight would otherwise look like a compute row). Nothing is
+timed while the engine's own saves of the previous request still run (they share the CPUs):
+the model is the cost of the request itself. Each point is the median of its repeats.
 `tools.replay_model.fit` turns the rows into the model; the file records date and machine.
 """
 
@@ -108,15 +110,17 @@ class _Cal:
 def _measure(cal: _Cal, repeats: int) -> None:
     for n in SIZES:
         cal.say(f"cold prefill, {n} tokens")
-        cal.rows["compute"] += [(n, 0, cal.ttft("b", cal.prompt(n))[0]) for _ in range(repeats)]
+        for _ in range(repeats):
+            cal.rows["compute"].append((n, 0, cal.ttft("b", cal.prompt(n))[0]))
+            time.sleep(0.1 + n / 20_000)  # its saves land before the next is timed
     for c, m in EXTEND:
         cal.say(f"local hit of {c} tokens + {m} new; loads from dram, nvme, shared")
         for _ in range(repeats):
             p, q = cal.prompt(c), cal.prompt(c)
             cal.ttft("b", p)
             cal.ttft("a", q)
+            time.sleep(1.5)  # the saves and the mover's persist land before anything is timed
             cal.rows["compute"].append((m, c, cal.ttft("b", p + cal.prompt(m))[0]))
-            time.sleep(1.0)  # saves and the mover's persist land
             cal.load_sample("b", p, m)
             cal.load_sample("a", q, m)
             cal.load_sample("s", q, m)
@@ -127,7 +131,7 @@ def _measure(cal: _Cal, repeats: int) -> None:
     cal.rows["decode_s"] = max(0.0, (many - one) / 64)
 
 
-def calibrate(dtype: str = "bfloat16", repeats: int = 3, say=print) -> Calibration:
+def calibrate(dtype: str = "bfloat16", repeats: int = 5, say=print) -> Calibration:
     """Measure and fit; the caller saves the result (`Calibration.save`)."""
     with tempfile.TemporaryDirectory(prefix="kvtier-calibrate-") as tmp:
         root = Path(tmp)
@@ -140,8 +144,19 @@ def calibrate(dtype: str = "bfloat16", repeats: int = 3, say=print) -> Calibrati
             _measure(cal, repeats)
         finally:
             cal.close()
+    rows = {"compute": _medians(cal.rows["compute"]), "decode_s": cal.rows["decode_s"],
+            "load": {k: _medians(v) for k, v in cal.rows["load"].items()}}
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
             "engine": f"vllm tiny random llama {dtype}, block 32, chunk 32",
-            "load_average": os.getloadavg()[0], "points": cal.rows}
-    return Calibration(fit(cal.rows), "measured now", info)
+            "load_average": os.getloadavg()[0], "points": rows, "samples": cal.rows}
+    return Calibration(fit(rows), "measured now", info)
+
+
+def _medians(rows: list) -> list:
+    """One row per measured point (the median of its repeats): one slow sample on a shared
+    machine must not bend the fit."""
+    groups: dict = {}
+    for new, cached, secs in rows:
+        groups.setdefault((new, cached), []).append(secs)
+    return [(n, c, statistics.median(v)) for (n, c), v in sorted(groups.items())]

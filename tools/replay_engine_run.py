@@ -54,7 +54,7 @@ class EngineSpec:
     max_context: int = 16_384
     max_batch: int = 8
     dtype: str = "bfloat16"
-    eviction: str = "agentic"
+    eviction: str = "lru"
     admission: str = "reuse"
     seed: int = 0
     traces: Path = Path("../shared/traces")

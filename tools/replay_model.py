@@ -91,8 +91,12 @@ def fit(points: dict) -> PrefillModel:
     x = np.stack([np.ones_like(new), new, new * (cached + new / 2)], axis=1)
     coef = _nnls(x, secs)
     base = PrefillModel(*coef, load_s={}, decode_s=float(points.get("decode_s", 0.0)))
+    # the same request served from the local prefix cache, measured when it was (else the
+    # fitted model): the difference is what bringing the prefix in from the tier costs
+    local = {(int(n), int(c)): float(t) for n, c, t in rows}
     for kind, load_rows in points.get("load", {}).items():
-        per = [(s - base.ttft(int(n), int(c))) / c for n, c, s in load_rows if c > 0]
+        per = [(s - local.get((int(n), int(c)), base.ttft(int(n), int(c)))) / c
+               for n, c, s in load_rows if c > 0]
         base.load_s[kind] = max(0.0, float(np.median(per))) if per else 0.0
     if "nvme" not in base.load_s and "sharedfs" in base.load_s:
         base.load_s["nvme"] = base.load_s["sharedfs"]  # both local disks here; see README

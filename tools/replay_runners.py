@@ -1,8 +1,10 @@
 """Run one configuration of an engine replay: set its cluster up, replay, tear it down.
 
 `run_config(...) -> (records, extra)`: `records` as `tools.replay_metrics` reads them;
-`extra` carries `tier_names` (the kvtier tiers, fastest first) and what the tiers hold or
-wrote at the end (`held`: bytes and blocks per tier). `vllm` replays in real time against
+`extra` carries `tier_names` (the kvtier tiers, fastest first) and what the tiers hold at
+the end (`held`, per tier): for real engines, what the nodes' indexes hold once the engines
+exited (the pool's blocks live in the engines' segments and leave with them, so only nvme
+and shared remain); for simulated instances, bytes held and written before they close. `vllm` replays in real time against
 real engines (`tools.replay_vllm` + `tools.replay_live`); `sim` in virtual time against
 simulated instances over a real store (`tools.replay_sim`), with the calibrated model.
 """

@@ -74,9 +74,12 @@ def test_cli_runs_a_small_simulation_and_writes_json(tmp_path):
 
 
 @pytest.mark.parametrize("args, msg", [
-    (["replay"], "not implemented yet"),
-    (["replay", "--engine", "vllm"], "not implemented yet"),
-    (["replay", "--simulate", "--engine", "sim"], "not implemented yet"),
+    (["replay"], "choose a mode"),
+    (["replay", "--engine", "nope"], "--engine: expected one of vllm, sim"),
+    (["replay", "--simulate", "--engine", "sim"], "two modes"),
+    (["replay", "--engine", "sim", "-w", "weka", "-w", "conversation"], "one workload"),
+    (["replay", "--engine", "sim", "--router", "random"], "--router"),
+    (["replay", "--engine", "sim", "--baselines", "none"], "--baselines"),
     (["replay", "--simulate", "-w", "nope"], "unknown workload"),
     (["replay", "--simulate", "--capacities", "0.1,x"], "--capacities"),
     (["replay", "--simulate", "--policies", "lru,belady"], "belady"),

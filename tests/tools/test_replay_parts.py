@@ -1,0 +1,135 @@
+"""The pieces of the engine replay without engines: plans, routers, the local prefix cache
+model, the prefill model's fit, metrics and targets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.store.errors import KVTierError
+from kvtier.tools.replay_cluster import ReplayError, Sizing, configs
+from kvtier.tools.replay_engine_run import EngineSpec, build_plan, kv_tokens_for
+from kvtier.tools.replay_metrics import kv_ratio, summarize
+from kvtier.tools.replay_model import PrefillModel, fit
+from kvtier.tools.replay_plan import PlanSpec, make_plan
+from kvtier.tools.replay_router import make_router
+from kvtier.tools.replay_sim import LocalCache
+from kvtier.tools.synthetic import SyntheticSpec, synthetic
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return build_plan(EngineSpec(turns=5, scale=0.05), 3)
+
+
+def test_turns_extend_their_session_prompt_and_share_the_system_prompt(plan):
+    by_session: dict[int, list[int]] = {}
+    for i in range(len(plan)):
+        by_session.setdefault(int(plan.session[i]), []).append(i)
+    heads = []
+    for reqs in by_session.values():
+        assert [int(plan.turn[i]) for i in reqs] == list(range(5))
+        for a, b in zip(reqs, reqs[1:]):
+            pa, pb = plan.prompt(a), plan.prompt(b)
+            full = len(plan.chain(a)) * plan.block_tokens
+            assert pb[:full] == pa[:full]          # the next turn extends the full blocks
+            assert int(plan.next_in_session[a]) == b
+        heads.append(plan.prompt(reqs[0])[:1000 // 32 * 32])
+    assert all(h == heads[0] for h in heads)       # the shared system prompt
+    assert len(plan.prompt(0)) == plan.input_tokens[0]
+
+
+def test_think_time_is_the_gap_after_the_previous_response():
+    work = synthetic(SyntheticSpec(sessions=2, turns=3, block_tokens=32, seed=1))
+    p = make_plan(work, PlanSpec(block_tokens=32, max_context=1 << 20), scale=1.0)
+    for i in range(len(p)):
+        nxt = int(p.next_in_session[i])
+        if nxt >= 0:
+            # synthetic arrivals are previous arrival + prefill time + gap
+            gap = p.arrival_s[nxt] - p.arrival_s[i] - p.input_tokens[i] / 20_000
+            assert p.think_s[nxt] == pytest.approx(gap)
+    assert sorted(p.first_requests()) == sorted(int(np.flatnonzero(p.turn == 0)[k])
+                                                for k in range(2))
+
+
+def test_max_context_keeps_the_head():
+    work = synthetic(SyntheticSpec(sessions=1, turns=4, block_tokens=32))
+    p = make_plan(work, PlanSpec(block_tokens=32, max_context=20_000), scale=1.0)
+    assert p.input_tokens.max() <= 20_000
+    assert p.prompt(3)[:20_000 // 32 * 32] == p.prompt(2)[:20_000 // 32 * 32]
+
+
+def test_routers():
+    rr = make_router("round-robin", 3)
+    assert [rr.pick(0, [0, 0, 0]) for _ in range(4)] == [0, 1, 2, 0]
+    sticky = make_router("session-sticky", 2)
+    assert [sticky.pick(s, [0, 0]) for s in (5, 6, 5, 7, 6)] == [0, 1, 0, 0, 1]
+    ll = make_router("least-loaded", 3)
+    assert ll.pick(0, [2, 1, 1]) == 1
+    with pytest.raises(ValueError, match="unknown router"):
+        make_router("random", 2)
+
+
+def test_local_cache_evicts_tails_before_heads():
+    c = LocalCache(4)
+    c.insert(["a", "b", "c"])
+    c.insert(["x", "y"])         # over capacity: c (the oldest tail) goes first
+    assert c.match(["a", "b", "c"]) == 2 and c.match(["x", "y"]) == 2
+    c.insert(["a", "b", "z"])
+    assert c.match(["x", "y"]) == 1  # y, the least recent tail, went next
+
+
+def test_fit_recovers_the_model():
+    true = PrefillModel(0.02, 5e-5, 2e-8, {"mooncake": 3e-6, "sharedfs": 8e-6}, 0.01)
+    rng = np.random.default_rng(0)
+    pts: dict = {"compute": [], "load": {"mooncake": [], "sharedfs": []}, "decode_s": 0.01}
+    for _ in range(40):
+        n, c = int(rng.integers(64, 8192)), int(rng.integers(0, 8192))
+        pts["compute"].append((n, c, true.ttft(n, c)))
+        for kind in ("mooncake", "sharedfs"):
+            pts["load"][kind].append((n, c + 1, true.ttft(n, c + 1, {kind: c + 1})))
+    got = fit(pts)
+    for f in ("t0_s", "a_s", "b_s"):
+        assert getattr(got, f) == pytest.approx(getattr(true, f), rel=1e-3)
+    assert got.load_s["mooncake"] == pytest.approx(3e-6, rel=1e-3)
+    assert got.load_s["nvme"] == got.load_s["sharedfs"]   # not measured: the disk's cost
+
+
+def test_sizing_refuses_a_small_pool_below_a_segment_and_raises_a_full_one():
+    s = Sizing(32 << 10, 40 << 20, 4)
+    assert s.segment_bytes(1.5) == 16 << 20
+    with pytest.raises(ReplayError, match="--sessions, --turns, --scale"):
+        s.segment_bytes(0.25)
+    labels = [c.label for c in configs((1.5, 0.25), ("local", "dram-only"))]
+    assert labels == ["kvtier@150%", "kvtier@25%", "dram-only@150%", "dram-only@25%", "local"]
+
+
+def test_kv_cache_holds_the_longest_request_and_a_quarter_of_the_live_contexts(plan):
+    max_len, kv = kv_tokens_for(EngineSpec(turns=5, scale=0.05), plan, 2)
+    assert max_len >= int((plan.input_tokens + plan.output_tokens).max())
+    assert kv >= max_len and kv % 32 == 0
+
+
+def _rec(i, session, inst, start, end, inp, cached, tiers=None):
+    return {"i": i, "session": session, "turn": 0, "instance": inst, "input_tokens": inp,
+            "output_tokens": 1, "sent": start, "start": start, "end": end, "ttft": end - start,
+            "e2e": end - start, "cached": cached, "tiers": tiers or {}, "saved_chunks": 2}
+
+
+def test_metrics_split_hits_by_tier_and_count_live_contexts():
+    recs = [_rec(0, 0, 0, 0.0, 1.0, 100, 0), _rec(1, 1, 0, 0.5, 2.0, 100, 50, {"dram": 30}),
+            _rec(2, 0, 0, 1.5, 3.0, 200, 100, {"shared": 100})]
+    s = summarize(recs, ["dram", "shared"], 10, 32, 100)["overall"]
+    assert s["hit_rate"] == pytest.approx(100 * 150 / 400)
+    assert s["hit_by_tier"] == pytest.approx({"local": 5.0, "dram": 7.5, "shared": 25.0})
+    assert s["bytes_read"] == {"dram": 300, "shared": 1000}
+    assert s["throughput_tps"] == pytest.approx(403 / 3.0)
+    # live on instance 0 at each start: {0}: 1.0, {0,1}: 2.0, {0 (now 200), 1}: 3.0
+    assert kv_ratio(recs, 100) == pytest.approx(2.0)
+
+
+def test_engine_spec_errors_name_the_option():
+    for kw, msg in [({"engine": "x"}, "--engine"), ({"chunk_tokens": 48}, "--chunk-tokens"),
+                    ({"eviction": "belady"}, "--eviction"), ({"admission": "x"}, "--admission")]:
+        with pytest.raises(KVTierError, match=msg):
+            EngineSpec(**kw).check()
