@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -41,14 +42,16 @@ def tiers(policy: Optional[Path] = typer.Option(None, "--policy", "-p",
         [parse_size(s) for s in sizes.split(",")] if sizes else None,
         [int(b) for b in batches.split(",")] if batches else None, fio)
     names = set(only.split(",")) if only else None
+    load_start = [round(x, 2) for x in os.getloadavg()]  # the machine may be shared
     rows, refs, targets = bench_tiers.run_bench(spec, policy, dir, names, repeat)
     bench_report.render(rows, refs, targets, Console(width=max(150, Console().width)))
     if markdown is not None:
         markdown.write_text(bench_report.markdown(rows, refs, targets))
     if json_out is not None:
         command = "kvtier " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        bench_report.write_json(json_out, command, bench_tiers.spec_dict(spec), rows, refs,
-                                targets, repeat)
+        bench_report.write_json(json_out, command, {**bench_tiers.spec_dict(spec),
+                                                    "loadavg_start": load_start},
+                                rows, refs, targets, repeat)
 
 
 # The connector's benchmarks live in cli_bench_vllm (owned with the connector).
