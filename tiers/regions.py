@@ -284,9 +284,13 @@ class RegionTable:
             todo = [(s, g, self._blocks(txn, s, g)) for s, g in todo
                     if only is None or (s, g) in only]
         for slot, gen, blocks in todo:
-            where = {kb.hex(): off for off, kb in blocks}
+            # One key may own several offsets of a generation (a writer whose reservation
+            # lost to another's keeps its allocation): match the entry against all of them.
+            where: dict[str, set[int]] = {}
+            for off, kb in blocks:
+                where.setdefault(kb.hex(), set()).add(off)
             old = [e.key for e in self.index.get(self.tier, list(where), ready_only=False)
-                   if e is not None and (e.loc_a, e.loc_b) == (pack_loc(slot, gen), where[e.key])]
+                   if e is not None and e.loc_a == pack_loc(slot, gen) and e.loc_b in where[e.key]]
             if old:
                 self.index.delete(self.tier, old)
 
