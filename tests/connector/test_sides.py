@@ -27,7 +27,7 @@ from kvtier.tools.vllm_engine import random_prompt  # noqa: E402
 
 from engine_util import files_of  # noqa: E402
 
-BS, CHUNK, NB, L, H, D = 32, 64, 64, 2, 2, 64
+BS, CHUNK, NB, L, H, D = 32, 64, 128, 2, 2, 64
 M = CHUNK // BS
 
 
@@ -157,6 +157,17 @@ def test_stats_reach_prometheus():
                                 {"engine": "0", "tier": "dram"}) == 512
     assert reg.get_sample_value("kvtier_load_bytes_total", {"engine": "0"}) == 1 << 20
     assert reg.get_sample_value("kvtier_load_seconds_count", {"engine": "0"}) == 2
+
+
+def test_requests_larger_than_a_staging_buffer_move_in_several_batches(sides):
+    tokens = random_prompt(8, 1300)  # 20 chunks of 68 KiB frames; a 1 MiB buffer holds 15
+    assert sides.worker.save_pool.capacity < 20
+    src, dst = list(range(0, 41)), list(range(60, 101))
+    save_prompt(sides, "r1", tokens, src)
+    _, n = load_into(sides, "r2", tokens, dst)
+    assert n == 20 * CHUNK and sides.worker.get_block_ids_with_load_errors() == set()
+    for a, b in zip(blocks_of(sides.caches, src[:40]), blocks_of(sides.caches, dst[:40])):
+        assert torch.equal(a, b)
 
 
 def test_load_starting_inside_a_local_hit_keeps_the_local_blocks(sides):
