@@ -175,6 +175,8 @@ class SchedulerSide:
                 continue
             st.block_ids = list(new.block_ids[0])
             st.scheduled = True
+            log.debug("kvtier: %s scheduled with %d computed tokens", new.req_id,
+                      new.num_computed_tokens)
             local = new.num_computed_tokens // self.chunk
             # A failed load truncated num_computed_tokens: re-save what gets recomputed.
             st.saved_upto = local if st.loaded_upto is None else min(st.loaded_upto, local)

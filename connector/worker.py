@@ -102,6 +102,7 @@ class WorkerSide:
             self._require_registered()
             for job in meta.loads:
                 self.io.submit_load(self._load_batches(job))
+                log.debug("kvtier: load %s queued: %d chunks", job.req_id, len(job.keys))
 
     def _load_batches(self, job: LoadJob) -> list[LoadBatch]:
         keys = rank_keys(job.keys, self.fingerprint)
