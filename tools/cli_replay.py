@@ -110,6 +110,8 @@ def replay(
     max_output: int = typer.Option(32, min=1, help="engines: most tokens generated"),
     max_context: int = typer.Option(16384, min=64, help="engines: longest prompt"),
     max_batch: int = typer.Option(8, min=1, help="vllm: requests per engine call"),
+    side_by_side: bool = typer.Option(False, help="vllm: run the configurations at the same "
+                                      "time (background load hits each alike)"),
     dtype: str = typer.Option("bfloat16", help="engines: KV dtype (bfloat16 | float32)"),
     eviction: str = typer.Option("lru", help="engines: kvtier eviction policy (kvtier's default)"),
     admission: str = typer.Option("reuse", help="engines: kvtier admission (reuse | always)"),
@@ -134,7 +136,8 @@ def replay(
             speed=speed, dram=_floats(dram, "--dram"),
             baselines=tuple(b for b in baselines.split(",") if b.strip()),
             kv_ratio=kv_ratio, kv_tokens=kv_tokens, max_output=max_output,
-            max_context=max_context, max_batch=max_batch, dtype=dtype, eviction=eviction,
+            max_context=max_context, max_batch=max_batch, side_by_side=side_by_side,
+            dtype=dtype, eviction=eviction,
             admission=admission, seed=seed, traces=traces, out=out,
             calibration=calibration), json_out, plots)
         return

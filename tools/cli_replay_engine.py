@@ -20,22 +20,21 @@ from kvtier.tools.replay_report import plot, render
 
 
 class ProgressUI:
-    """`say`, `phase`, `update` for the experiment, on one rich progress bar."""
+    """`say` and `phase` for the experiment, on one rich progress bar: `phase(desc, total)`
+    adds a line (dropping lines already complete) and returns its `update(done)`."""
 
     def __init__(self, bar: Progress):
-        self.bar, self.task = bar, None
+        self.bar = bar
 
     def say(self, msg: str) -> None:
         self.bar.console.print(f"[dim]{escape(msg)}[/]")
 
-    def phase(self, desc: str, total: int) -> None:
-        if self.task is not None:
-            self.bar.remove_task(self.task)
-        self.task = self.bar.add_task(desc, total=total)
-
-    def update(self, done: int) -> None:
-        if self.task is not None:
-            self.bar.update(self.task, completed=done)
+    def phase(self, desc: str, total: int):
+        for t in list(self.bar.tasks):
+            if t.finished:
+                self.bar.remove_task(t.id)
+        task = self.bar.add_task(desc, total=total)
+        return lambda done: self.bar.update(task, completed=done)
 
 
 def console() -> Console:

@@ -8,10 +8,12 @@ measured one request at a time, each TTFT taken inside the engine (vLLM's reques
   prompt again: the prefix comes from the pool (load rows of kind `mooncake`);
 - `a` (tiers: nvme, shared) computes prompts; after a reset, it reads them back from its
   nvme (kind `nvme`); `s` (tier: shared only) reads what `a` persisted (kind `sharedfs`).
-A load sample counts only if the connector reports at least 90% of the prefix from the
+Each point is the median of its repeats: on a machine shared with other jobs, single
+samples vary 2-3x with their load (the file records the load average). A load sample
+counts only if the connector reports at least 90% of the prefix from the
 expected tier (a save still in flight would otherwise look like a compute row). Nothing is
 timed while the engine's own saves of the previous request still run (they share the CPUs):
-the model is the cost of the request itself. Each point is the median of its repeats.
+the model is the cost of the request itself.
 `tools.replay_model.fit` turns the rows into the model; the file records date and machine.
 """
 
@@ -86,6 +88,7 @@ class _Cal:
         return random_prompt(50_000 + self.seed, n)
 
     def ttft(self, node: str, prompt: list[int]) -> tuple[float, dict]:
+        """TTFT inside the engine (vLLM's request metrics) and the kvtier hits."""
         outs, elapsed = self.engines[node].generate([prompt], 1)
         hits = (outs[0].kv_transfer_params or {}).get("kvtier", {}).get("hit_tokens", {})
         return (outs[0].ttft_s or elapsed), hits

@@ -5,8 +5,9 @@ turned into a plan (`tools.replay_plan`), sized (the working set, the per-instan
 at most 1/`kv_ratio` of the contexts live on an instance, at least one longest request), and
 replayed against each configuration (`tools.replay_cluster.configs`: kvtier at each DRAM
 size, the DRAM-only pool at each size, local prefix caches only), each on a fresh cluster,
-in turn (never concurrently: they share the CPUs). Returns plain data (the `--json` output)
-with the issue's targets evaluated (`tools.replay_targets`).
+in turn, or (`side_by_side`, real engines) all at once so that the load of other jobs on a
+shared machine hits each alike (`tools.replay_runners`). Returns plain data (the `--json`
+output) with the issue's targets evaluated (`tools.replay_targets`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvtier.tools.replay_cluster import Config, ReplayError, Sizing, configs
 from kvtier.tools.replay_metrics import summarize
 from kvtier.tools.replay_plan import Plan, PlanSpec, make_plan
 from kvtier.tools.replay_router import ROUTERS
-from kvtier.tools.replay_runners import run_config
+from kvtier.tools.replay_runners import RunCtx, run_config, run_side_by_side
 from kvtier.tools.replay_targets import evaluate
 from kvtier.tools.vllm_engine import TINY_MODEL
 
@@ -53,6 +54,7 @@ class EngineSpec:
     max_output: int = 32
     max_context: int = 16_384
     max_batch: int = 8
+    side_by_side: bool = False      # vllm: run the configurations at the same time
     dtype: str = "bfloat16"
     eviction: str = "lru"
     admission: str = "reuse"
@@ -135,8 +137,8 @@ def kv_tokens_for(spec: EngineSpec, plan: Plan, n: int) -> tuple[int, int]:
 
 
 def run_engine_replay(spec: EngineSpec, ui) -> dict:
-    """Run every instance count and configuration; `ui` has `say(msg)`, `phase(desc,
-    total)`, `update(done)`."""
+    """Run every instance count and configuration; `ui` has `say(msg)` and `phase(desc,
+    total) -> update(done)`."""
     spec.check()
     t0 = time.time()
     bpt = bytes_per_token(spec.dtype)
@@ -151,9 +153,8 @@ def run_engine_replay(spec: EngineSpec, ui) -> dict:
                "plan": plan.name, "scale": plan.scale, "kv_tokens": kv_tok,
                "max_model_len": max_len, "working_set_bytes": sizing.working_set_bytes,
                "input_tokens": int(plan.input_tokens.sum()), "configs": {}}
-        for cfg in configs(spec.dram, spec.baselines):
-            res = _one(spec, cfg, plan, sizing, n, max_len, kv_tok, ui)
-            run["configs"][cfg.label] = res
+        ctx = RunCtx(spec, plan, sizing, n, max_len, kv_tok)
+        run["configs"] = _run_all(ctx, configs(spec.dram, spec.baselines), ui)
         runs.append(run)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
@@ -163,23 +164,46 @@ def run_engine_replay(spec: EngineSpec, ui) -> dict:
     return report
 
 
-def _one(spec: EngineSpec, cfg: Config, plan: Plan, sizing: Sizing, n: int, max_len: int,
-         kv_tok: int, ui) -> dict:
-    root = spec.out / "work" / f"{spec.engine}-n{n}-{cfg.label.replace('%', 'pct')}"
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    ui.phase(f"{cfg.label} ({n} instances)", len(plan))
+def _run_all(ctx: RunCtx, cfgs: list[Config], ui) -> dict:
+    """Every configuration, in turn or side by side; {label: result}."""
+    spec = ctx.spec
+    roots = [spec.out / "work" / f"{spec.engine}-n{ctx.n}-{c.label.replace('%', 'pct')}"
+             for c in cfgs]
+    for root in roots:
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
     t = time.time()
-    records, extra = run_config(spec, cfg, plan, sizing, n, max_len, kv_tok, root, ui)
+    if spec.side_by_side and spec.engine == "vllm":
+        results = run_side_by_side(ctx, cfgs, roots, ui)
+        walls = [time.time() - t] * len(cfgs)
+    else:
+        results, walls = [], []
+        for cfg, root in zip(cfgs, roots):
+            t = time.time()
+            results.append(run_config(ctx, cfg, root, ui))
+            walls.append(time.time() - t)
+    out = {}
+    for cfg, root, (records, extra), wall in zip(cfgs, roots, results, walls):
+        out[cfg.label] = _result(ctx, cfg, records, extra, wall)
+        for sub in ("nvme", "shared"):  # the blocks: keep the logs, drop the bytes
+            for p in root.glob(f"**/{sub}"):
+                shutil.rmtree(p, ignore_errors=True)
+    return out
+
+
+def _result(ctx: RunCtx, cfg: Config, records: list[dict], extra: dict, wall: float) -> dict:
     tiers = extra.pop("tier_names")
-    summary = summarize(records, tiers, bytes_per_token(spec.dtype), spec.chunk_tokens,
-                        kv_tok)
-    for sub in ("nvme", "shared"):  # the blocks: keep the logs, drop the bytes
-        for p in root.glob(f"**/{sub}"):
-            shutil.rmtree(p, ignore_errors=True)
+    summary = summarize(records, tiers, bytes_per_token(ctx.spec.dtype),
+                        ctx.spec.chunk_tokens, ctx.kv_tok)
     return {"kind": cfg.kind, "dram_frac": cfg.dram_frac, "tiers": tiers,
-            "segment_bytes": sizing.segment_bytes(cfg.dram_frac) if cfg.uses_store else 0,
-            "wall_s": round(time.time() - t, 1), **summary, **extra}
+            "segment_bytes": ctx.sizing.segment_bytes(cfg.dram_frac) if cfg.uses_store else 0,
+            "wall_s": round(wall, 1), **summary, **extra,
+            "requests": [_rounded(r) for r in records]}
+
+
+def _rounded(r: dict) -> dict:
+    """A request's record for the JSON report (times in ms resolution)."""
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
 
 
 def model_dir() -> Path:

@@ -1,17 +1,26 @@
-"""Run one configuration of an engine replay: set its cluster up, replay, tear it down.
+"""Run configurations of an engine replay: set each cluster up, replay, tear it down.
 
-`run_config(...) -> (records, extra)`: `records` as `tools.replay_metrics` reads them;
-`extra` carries `tier_names` (the kvtier tiers, fastest first) and what the tiers hold at
-the end (`held`, per tier): for real engines, what the nodes' indexes hold once the engines
-exited (the pool's blocks live in the engines' segments and leave with them, so only nvme
-and shared remain); for simulated instances, bytes held and written before they close. `vllm` replays in real time against
-real engines (`tools.replay_vllm` + `tools.replay_live`); `sim` in virtual time against
-simulated instances over a real store (`tools.replay_sim`), with the calibrated model.
+`run_config(ctx, cfg, root, ui) -> (records, extra)`: `records` as `tools.replay_metrics`
+reads them; `extra` carries `tier_names` (the kvtier tiers, fastest first) and what the
+tiers hold at the end (`held`, per tier): for real engines, what the nodes' indexes hold once
+the engines exited (the pool's blocks live in the engines' segments and leave with them, so
+only nvme and shared remain); for simulated instances, bytes held and written before they
+close. `vllm` replays in real time against real engines (`tools.replay_vllm` +
+`tools.replay_live`); `sim` in virtual time against simulated instances over a real store
+(`tools.replay_sim`), with the calibrated model.
+
+`run_side_by_side(ctx, cfgs, roots, ui)` (real engines only) runs every configuration at the
+same time, each on its own engines and cluster, each with its own copy of the request
+stream: on a machine shared with other jobs, background load then hits every configuration
+alike. They also compete with each other for the CPUs, which slows the faster configuration
+most (the busy baseline takes CPU from it while it still has work, and has the machine to
+itself once it is done): the comparison is conservative for the faster one.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.store.config import MasterConfig
@@ -24,41 +33,95 @@ from kvtier.tools.replay_router import make_router
 TIER_KINDS = {"dram": "mooncake", "nvme": "nvme", "shared": "sharedfs"}
 
 
+@dataclass(frozen=True)
+class RunCtx:
+    spec: object          # tools.replay_engine_run.EngineSpec
+    plan: Plan
+    sizing: Sizing
+    n: int
+    max_len: int
+    kv_tok: int
+
+
 def tier_names(cfg: Config) -> list[str]:
     return {"kvtier": ["dram", "nvme", "shared"], "dram-only": ["dram"],
             "local": []}[cfg.kind]
 
 
-def run_config(spec, cfg: Config, plan: Plan, sizing: Sizing, n: int, max_len: int,
-               kv_tok: int, root: Path, ui) -> tuple[list[dict], dict]:
-    if spec.engine == "vllm":
-        return _run_vllm(spec, cfg, plan, sizing, n, max_len, kv_tok, root, ui)
-    return _run_sim(spec, cfg, plan, sizing, n, kv_tok, root, ui)
-
-
-def _run_vllm(spec, cfg, plan, sizing, n, max_len, kv_tok, root, ui):
-    from kvtier.tools.replay_engine_run import model_dir
-    from kvtier.tools.replay_live import run_live
-    from kvtier.tools.replay_vllm import VllmCluster
-    from kvtier.tools.vllm_engine import make_tiny_model
-    model = make_tiny_model(model_dir())
-    cluster = VllmCluster(root, cfg, n, model, sizing, chunk_tokens=spec.chunk_tokens,
-                          # vLLM keeps one block back (the null block)
-                          block_size=32, num_blocks=kv_tok // 32 + 1, max_model_len=max_len,
-                          dtype=spec.dtype, eviction=spec.eviction,
-                          admission=spec.admission, say=ui.say)
+def run_config(ctx: RunCtx, cfg: Config, root: Path, ui) -> tuple[list[dict], dict]:
+    update = ui.phase(f"{cfg.label} ({ctx.n} instances)", len(ctx.plan))
+    if ctx.spec.engine == "sim":
+        return _run_sim(ctx, cfg, root, ui, update)
+    cluster = _vllm_cluster(ctx, cfg, root, ui).start()
     try:
-        ui.say(f"[{cfg.label}] replaying {len(plan)} requests on {n} engines")
-        records = run_live(plan, cluster.backends(plan), make_router(spec.router, n),
-                           spec.speed, spec.max_batch, ui.update)
+        records = _replay_vllm(ctx, cfg, cluster, ui, update)
     finally:
         cluster.close()
     return records, {"tier_names": tier_names(cfg), "held": cluster.held()}
 
 
-def _run_sim(spec, cfg, plan, sizing, n, kv_tok, root, ui):
+def run_side_by_side(ctx: RunCtx, cfgs: list[Config], roots: list[Path], ui) -> list[tuple]:
+    """Every configuration at once (see the module docstring); results in `cfgs` order."""
+    clusters: list = []
+    updates = [ui.phase(f"{c.label} ({ctx.n} instances)", len(ctx.plan)) for c in cfgs]
+    try:
+        # masters start here, on this thread (they die with the thread that started them)
+        for cfg, root in zip(cfgs, roots):
+            clusters.append(_vllm_cluster(ctx, cfg, root, ui))
+        _in_threads([c.start for c in clusters])
+        records: list = [None] * len(cfgs)
+        _in_threads([lambda k=k: records.__setitem__(k, _replay_vllm(
+            ctx, cfgs[k], clusters[k], ui, updates[k])) for k in range(len(cfgs))])
+    finally:
+        for c in clusters:
+            c.close()
+    return [(records[k], {"tier_names": tier_names(cfgs[k]), "held": clusters[k].held()})
+            for k in range(len(cfgs))]
+
+
+def _in_threads(jobs) -> None:
+    """Run `jobs` in parallel threads; re-raise the first failure here."""
+    errors: list[BaseException] = []
+
+    def wrap(job) -> None:
+        try:
+            job()
+        except BaseException as e:  # re-raised below, on the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrap, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _vllm_cluster(ctx: RunCtx, cfg: Config, root: Path, ui):
+    from kvtier.tools.replay_engine_run import model_dir
+    from kvtier.tools.replay_vllm import VllmCluster
+    from kvtier.tools.vllm_engine import make_tiny_model
+    spec = ctx.spec
+    return VllmCluster(root, cfg, ctx.n, make_tiny_model(model_dir()), ctx.sizing,
+                       # vLLM keeps one block back (the null block)
+                       chunk_tokens=spec.chunk_tokens, block_size=32,
+                       num_blocks=ctx.kv_tok // 32 + 1, max_model_len=ctx.max_len,
+                       dtype=spec.dtype, eviction=spec.eviction, admission=spec.admission,
+                       say=ui.say)
+
+
+def _replay_vllm(ctx: RunCtx, cfg: Config, cluster, ui, update) -> list[dict]:
+    from kvtier.tools.replay_live import run_live
+    ui.say(f"[{cfg.label}] replaying {len(ctx.plan)} requests on {ctx.n} engines")
+    return run_live(ctx.plan, cluster.backends(ctx.plan), make_router(ctx.spec.router, ctx.n),
+                    ctx.spec.speed, ctx.spec.max_batch, update)
+
+
+def _run_sim(ctx: RunCtx, cfg: Config, root: Path, ui, update):
     from kvtier.tools.replay_model import Calibration
     from kvtier.tools.replay_sim import SimRun
+    spec, n = ctx.spec, ctx.n
     cal = Calibration.load(spec.calibration)
     master, workers = None, [None] * n
     try:
@@ -66,13 +129,13 @@ def _run_sim(spec, cfg, plan, sizing, n, kv_tok, root, ui):
             mcfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
             master = EmbeddedMaster(mcfg, log_path=root / "master.log").start()
             ui.say(f"[{cfg.label}] starting {n} simulated instances")
-            workers = _start_workers(root, cfg, sizing, n, mcfg.address, spec)
+            workers = _start_workers(root, cfg, ctx.sizing, n, mcfg.address, spec)
         ns = Namespace(model="tiny-llama-sim", dtype=spec.dtype, block_size=32,
                        chunk_tokens=spec.chunk_tokens)
-        sim = SimRun(plan, workers, make_router(spec.router, n), cal.model, TIER_KINDS,
-                     kv_tok // plan.block_tokens, ns.fingerprint(), sizing.block_bytes,
-                     spec.speed)
-        records = sim.run(ui.update)
+        sim = SimRun(ctx.plan, workers, make_router(spec.router, n), cal.model, TIER_KINDS,
+                     ctx.kv_tok // ctx.plan.block_tokens, ns.fingerprint(),
+                     ctx.sizing.block_bytes, spec.speed)
+        records = sim.run(update)
         usage = [w.call("usage") for w in workers if w is not None]
     finally:
         for w in workers:
@@ -93,21 +156,7 @@ def _start_workers(root, cfg, sizing, n, address, spec):
                               spec.eviction, spec.admission)
             workers.append(SimWorker(pol, f"n{k}", sizing.block_bytes,
                                      str(root / f"instance-n{k}.log")))
-        errors: list[BaseException] = []
-
-        def ready(w) -> None:
-            try:
-                w.ready()
-            except BaseException as e:  # re-raised below, on the caller's thread
-                errors.append(e)
-
-        threads = [threading.Thread(target=ready, args=(w,)) for w in workers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        _in_threads([w.ready for w in workers])
     except BaseException:
         for w in workers:
             w.close()

@@ -1,7 +1,7 @@
 """Real engines for `kvtier replay --engine vllm`: N vLLM processes on one kvtier cluster.
 
 `VllmCluster(root, cfg, ...)` starts, for one configuration (`tools.replay_cluster`), a
-fresh `mooncake_master` (unless the configuration has no store) and N engine processes
+fresh `mooncake_master` (unless the configuration has no store); `start()` N engine processes
 (`tools.vllm_engine.Engine`: the tiny random model, one process each, started in parallel),
 each with the same KV cache size (`num_blocks`) and, for store configurations, the kvtier
 connector with its node's policy (own index and nvme dir, one shared dir). It warms each
@@ -66,12 +66,19 @@ class VllmCluster:
         self._kw = dict(block_size=block_size, num_blocks=num_blocks,
                         max_model_len=max_model_len, dtype=dtype,
                         engine_args={"disable_log_stats": False})
-        say(f"[{cfg.label}] starting {n} engines")
+        self.model, self.say = model, say
+
+    def start(self) -> "VllmCluster":
+        """Start the engines (in parallel); any thread may call it, the master already runs
+        (it was started on the constructing thread: it dies with the thread that started
+        it)."""
+        self.say(f"[{self.cfg.label}] starting {self.n} engines")
         try:
-            self._start_all(model)
+            self._start_all(self.model)
         except BaseException:
             self.close()
             raise
+        return self
 
     def _start_all(self, model: Path) -> None:
         errors: list[BaseException] = []
