@@ -23,13 +23,13 @@ import os
 import platform
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from kvtier.store.config import MasterConfig
 from kvtier.store.master import EmbeddedMaster, free_port
 from kvtier.tools.replay_model import Calibration, fit
+from kvtier.tools.threads import in_threads
 from kvtier.tools.vllm_engine import (Engine, kvtier_transfer_config, make_tiny_model,
                                       random_prompt)
 
@@ -62,26 +62,16 @@ class _Cal:
 
     def start(self, model: Path) -> None:
         nodes = {"b": ["dram"], "a": ["nvme", "shared"], "s": ["shared"]}
-        errors: list[BaseException] = []
 
         def one(node: str) -> None:
-            try:
-                self.engines[node] = Engine(
-                    model, self.root / f"engine-{node}.log", dtype=self.dtype,
-                    kv_transfer_config=kvtier_transfer_config(self.policy(node, nodes[node]),
-                                                              node_id=node),
-                    max_model_len=16384, engine_args={"disable_log_stats": False})
-                self.engines[node].generate([self.prompt(256)], 1)
-            except BaseException as e:  # re-raised on the caller's thread
-                errors.append(e)
+            self.engines[node] = Engine(
+                model, self.root / f"engine-{node}.log", dtype=self.dtype,
+                kv_transfer_config=kvtier_transfer_config(self.policy(node, nodes[node]),
+                                                          node_id=node),
+                max_model_len=16384, engine_args={"disable_log_stats": False})
+            self.engines[node].generate([self.prompt(256)], 1)
 
-        threads = [threading.Thread(target=one, args=(n,)) for n in nodes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        in_threads([lambda n=n: one(n) for n in nodes])
 
     def prompt(self, n: int) -> list[int]:
         self.seed += 1

@@ -15,13 +15,13 @@ that knows its session ids would send it.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 from kvtier.store.config import MasterConfig
 from kvtier.store.master import EmbeddedMaster, free_port
 from kvtier.tools.replay_cluster import Config, ReplayError, Sizing, node_policy
 from kvtier.tools.replay_plan import VOCAB, Plan
+from kvtier.tools.threads import in_threads
 from kvtier.tools.vllm_engine import Engine, EngineError, kvtier_transfer_config
 
 WARMUP_SEED = 987_654_321
@@ -81,28 +81,20 @@ class VllmCluster:
         return self
 
     def _start_all(self, model: Path) -> None:
-        errors: list[BaseException] = []
-
         def start(k: int) -> None:
-            try:
-                ktc = (kvtier_transfer_config(self.policies[k], node_id=f"n{k}",
-                                              staging_buffer="16MiB")
-                       if self.policies[k] else None)
-                e = Engine(model, self.root / f"engine-n{k}.log", kv_transfer_config=ktc,
-                           **self._kw)
-                self.engines[k] = e
-                e.generate([_warmup_prompt(k)], 1)
-            except BaseException as e:  # re-raised below, on the caller's thread
-                errors.append(e)
+            ktc = (kvtier_transfer_config(self.policies[k], node_id=f"n{k}",
+                                          staging_buffer="16MiB")
+                   if self.policies[k] else None)
+            e = Engine(model, self.root / f"engine-n{k}.log", kv_transfer_config=ktc,
+                       **self._kw)
+            self.engines[k] = e
+            e.generate([_warmup_prompt(k)], 1)
 
-        threads = [threading.Thread(target=start, args=(k,)) for k in range(self.n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise ReplayError(f"{self.cfg.label}: an engine failed to start ({errors[0]}); "
-                              f"see the engine logs under {self.root}") from errors[0]
+        try:
+            in_threads([lambda k=k: start(k) for k in range(self.n)])
+        except Exception as e:
+            raise ReplayError(f"{self.cfg.label}: an engine failed to start ({e}); "
+                              f"see the engine logs under {self.root}") from e
 
     def backends(self, plan: Plan) -> list[VllmBackend]:
         return [VllmBackend(e, plan, hints=self.cfg.uses_store) for e in self.engines]
