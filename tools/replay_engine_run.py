@@ -27,6 +27,7 @@ from kvtier.tools.replay_cluster import Config, ReplayError, Sizing, configs
 from kvtier.tools.replay_metrics import summarize
 from kvtier.tools.replay_plan import Plan, PlanSpec, make_plan
 from kvtier.tools.replay_router import ROUTERS
+from kvtier.tools.replay_run import plain
 from kvtier.tools.replay_runners import RunCtx, run_config, run_side_by_side
 from kvtier.tools.replay_targets import evaluate
 from kvtier.tools.vllm_engine import TINY_MODEL
@@ -158,7 +159,7 @@ def run_engine_replay(spec: EngineSpec, ui) -> dict:
         runs.append(run)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-              "spec": _plain(asdict(spec)), "bytes_per_token": bpt, "runs": runs}
+              "spec": plain(asdict(spec)), "bytes_per_token": bpt, "runs": runs}
     report["targets"] = evaluate(report)
     report["wall_s"] = round(time.time() - t0, 1)
     return report
@@ -209,10 +210,3 @@ def _rounded(r: dict) -> dict:
 def model_dir() -> Path:
     return kvtier_home() / "replay-model" / "tiny-llama"
 
-
-def _plain(x):
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return str(x) if isinstance(x, Path) else x

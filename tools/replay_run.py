@@ -153,7 +153,7 @@ def run(spec: RunSpec, progress=None) -> dict:
 def _report(spec: RunSpec, results, wall_s: float) -> dict:
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "wall_s": round(wall_s, 1),
            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-           "spec": _plain(asdict(spec)), "workloads": {}}
+           "spec": plain(asdict(spec)), "workloads": {}}
     for name in spec.workloads:
         c = _WORK[name]
         w = out["workloads"][name] = {
@@ -191,9 +191,10 @@ def _targets(row: dict, spec: RunSpec, name: str) -> dict:
     return row
 
 
-def _plain(x):
+def plain(x):
+    """`x` with paths as strings and tuples as lists (JSON-ready)."""
     if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
+        return {k: plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
+        return [plain(v) for v in x]
     return str(x) if isinstance(x, Path) else x
