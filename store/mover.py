@@ -28,8 +28,9 @@ NODE_LOCAL_KINDS = frozenset({"nvme"})
 class Mover:
     """Moves blocks between the tiers of one `TieredStore`.
 
-    With `start=False` no thread runs: queued work waits for `drain()` and `tick()` (tests,
-    and lookup-only stores that never save).
+    With `start=False` no thread runs: queued work waits for `step()` (one round of the
+    thread's loop), or `drain()` and `tick()`, which raise what a tier raises (tests, and
+    lookup-only stores that never save).
     """
 
     def __init__(self, store, start: bool = True):
@@ -86,12 +87,28 @@ class Mover:
                     self._cv.wait(self.cfg.interval_s)
                 if self._stop and not self._queue:
                     return
+            self.step()
+
+    def step(self, tick: bool = True) -> None:
+        """One round of the thread: every queued job, then the periodic work (`tick`). A
+        tier that fails (its master down, its disk gone) is counted and logged, never
+        raised: the job it cut short is dropped (its blocks stay where they are) and the
+        other jobs still run. Stores without the thread call this between requests."""
+        while True:
             try:
                 self.drain()
-                self.tick()
+                break
             except TierError as e:
-                self.stats["errors"] += 1
-                log.warning("mover: %s", e)
+                self._error(e)
+        try:
+            if tick:
+                self.tick()
+        except TierError as e:
+            self._error(e)
+
+    def _error(self, e: TierError) -> None:
+        self.stats["errors"] += 1
+        log.warning("mover: %s", e)
 
     def drain(self) -> None:
         """Run every queued job now (the thread's loop; tests call it directly)."""

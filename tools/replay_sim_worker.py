@@ -13,7 +13,8 @@ connector makes:
 - `save(keys, all_keys, hint, now)`: write-through of the new chunks, then `finish` with the
   looked-up keys (the end of the turn).
 Time is the coordinator's virtual clock (`now`), which the store's policies read. The mover
-runs no thread: each call first runs the moves queued so far and one mover tick, so the
+runs no thread: each call first runs the moves queued so far and one mover tick (one
+round of its thread, `Mover.step`: a tier error is logged and counted there), so the
 background work of a virtual gap is done before the next request of this instance (the real
 mover keeps up within seconds; virtual gaps pass in milliseconds here).
 """
@@ -93,9 +94,8 @@ class _Instance:
 
     def _catch_up(self, now: float) -> None:
         self.now = now
-        self.store.mover.drain()
-        self.store.mover.tick()
-        self.store.mover.drain()
+        self.store.mover.step()  # the thread's round: its tier errors are caught as there
+        self.store.mover.step(tick=False)  # the moves the tick queued
 
     def request(self, keys, local, sid, now):
         from kvtier.store.tiered import SessionHint
