@@ -39,7 +39,9 @@ class Config:
 
 
 def configs(dram_fracs: tuple[float, ...], baselines: tuple[str, ...]) -> list[Config]:
-    """kvtier at each DRAM size, the DRAM-only pool at each size, then local-only once."""
+    """kvtier at each DRAM size, the DRAM-only pool at each size below the working set (one
+    that holds it all hits as kvtier does; with a single size it runs anyway, as the
+    comparison asked for), then local-only once."""
     many = len(dram_fracs) > 1
     out = []
     for f in dram_fracs:
@@ -47,7 +49,7 @@ def configs(dram_fracs: tuple[float, ...], baselines: tuple[str, ...]) -> list[C
         out.append(Config("kvtier", f, "kvtier" + suffix))
     if "dram-only" in baselines:
         out += [Config("dram-only", f, "dram-only" + (f"@{100 * f:g}%" if many else ""))
-                for f in dram_fracs]
+                for f in dram_fracs if f < 1 or not many]
     if "local" in baselines:
         out.append(Config("local", None, "local"))
     return out

@@ -144,18 +144,25 @@ def run_engine_replay(spec: EngineSpec, ui) -> dict:
     t0 = time.time()
     bpt = bytes_per_token(spec.dtype)
     payload = spec.chunk_tokens * bpt
-    runs = []
-    for n in spec.instances:
+    prepared = []
+    for n in spec.instances:  # every size checked before anything runs
         sessions = spec.sessions * n if len(spec.instances) > 1 else spec.sessions
         plan = build_plan(spec, sessions)
         sizing = Sizing(payload, plan.unique_blocks * block.frame_size(payload, block.PAGE), n)
+        cfgs = configs(spec.dram, spec.baselines)
+        for cfg in cfgs:
+            if cfg.uses_store:
+                sizing.segment_bytes(cfg.dram_frac)  # raises ReplayError when too small
+        prepared.append((n, plan, sizing, cfgs))
+    runs = []
+    for n, plan, sizing, cfgs in prepared:
         max_len, kv_tok = kv_tokens_for(spec, plan, n)
         run = {"instances": n, "sessions": plan.sessions, "requests": len(plan),
                "plan": plan.name, "scale": plan.scale, "kv_tokens": kv_tok,
                "max_model_len": max_len, "working_set_bytes": sizing.working_set_bytes,
                "input_tokens": int(plan.input_tokens.sum()), "configs": {}}
         ctx = RunCtx(spec, plan, sizing, n, max_len, kv_tok)
-        run["configs"] = _run_all(ctx, configs(spec.dram, spec.baselines), ui)
+        run["configs"] = _run_all(ctx, cfgs, ui)
         runs.append(run)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",

@@ -8,7 +8,8 @@ import pytest
 
 from kvtier.store.errors import KVTierError
 from kvtier.tools.replay_cluster import ReplayError, Sizing, configs
-from kvtier.tools.replay_engine_run import EngineSpec, build_plan, kv_tokens_for
+from kvtier.tools.replay_engine_run import (EngineSpec, build_plan, kv_tokens_for,
+                                            run_engine_replay)
 from kvtier.tools.replay_metrics import kv_ratio, summarize
 from kvtier.tools.replay_model import PrefillModel, fit
 from kvtier.tools.replay_plan import PlanSpec, make_plan
@@ -101,7 +102,26 @@ def test_sizing_refuses_a_small_pool_below_a_segment_and_raises_a_full_one():
     with pytest.raises(ReplayError, match="--sessions, --turns, --scale"):
         s.segment_bytes(0.25)
     labels = [c.label for c in configs((1.5, 0.25), ("local", "dram-only"))]
-    assert labels == ["kvtier@150%", "kvtier@25%", "dram-only@150%", "dram-only@25%", "local"]
+    assert labels == ["kvtier@150%", "kvtier@25%", "dram-only@25%", "local"]
+    assert [c.label for c in configs((1.5,), ("dram-only",))] == ["kvtier", "dram-only"]
+
+
+def test_a_pool_too_small_for_a_segment_fails_before_any_engine_starts(tmp_path):
+    started = []
+
+    class UI:
+        def say(self, msg):
+            started.append(msg)
+
+        def phase(self, desc, total):
+            started.append(desc)
+            return lambda done: None
+
+    spec = EngineSpec(engine="sim", instances=(4,), sessions=2, turns=2, scale=0.01,
+                      dram=(1.5, 0.25), baselines=("local",), out=tmp_path)
+    with pytest.raises(ReplayError, match="below Mooncake's 16 MiB segment"):
+        run_engine_replay(spec, UI())
+    assert started == []
 
 
 def test_kv_cache_holds_the_longest_request_and_a_quarter_of_the_live_contexts(plan):
