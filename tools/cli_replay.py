@@ -4,7 +4,8 @@
 every capacity against `belady` and an infinite cache, plus the tiered variant, as rich tables
 and `--json FILE`. `--engine vllm|sim` replays one workload through N engines on a kvtier
 cluster against the baselines (`tools.replay_engine_run`, shown by `tools.cli_replay_engine`);
-`--calibrate` measures the real tiny engine for the sim's prefill model.
+`--calibrate` measures the real tiny engine for the sim's prefill model. `--engine sim --soak
+MINUTES` replays under injected faults and verifies what was served (`tools.cli_replay_soak`).
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ def replay(
     calibrate: bool = typer.Option(False, "--calibrate", help="measure the real engine for "
                                    "the sim's model (writes --json or OUT/calibration.json)"),
     plots: bool = typer.Option(True, help="engines: write PNG plots"),
+    soak: Optional[float] = typer.Option(None, min=0.0, help="sim: soak for this many "
+                                         "minutes of wall time under faults (kvtier only)"),
+    fault_every: float = typer.Option(60.0, min=0.1, help="soak: seconds between faults"),
+    faults: str = typer.Option("process-kill,master-restart,disk-full,corrupt-file",
+                               help="soak: the faults, injected in this rotation"),
 ) -> None:
     """Replay traces against eviction policies (`--simulate`) or engines (`--engine`)."""
     from kvtier.tools import cli_replay_engine as ce
@@ -128,6 +134,15 @@ def replay(
         return
     if engine is not None and simulate:
         raise ReplayError("--engine and --simulate are two modes; give one")
+    if soak is not None:
+        _soak(engine, soak, fault_every, faults, json_out, lambda: ce.EngineSpec(
+            engine="sim", workload=_one_workload(workload),
+            instances=tuple(int(x) for x in _floats(instances, "--instances")),
+            router=router, sessions=sessions or 8, live=live, turns=turns, scale=scale,
+            speed=speed, dram=_floats(dram, "--dram"), baselines=(), kv_ratio=kv_ratio,
+            kv_tokens=kv_tokens, max_output=max_output, max_context=max_context, dtype=dtype,
+            eviction=eviction, admission=admission, seed=seed, traces=traces, out=out,
+            calibration=calibration))
     if engine is not None:
         ce.run_and_show(ce.EngineSpec(
             engine=engine, workload=_one_workload(workload),
@@ -167,6 +182,18 @@ def replay(
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=2, default=str))
         console.print(f"wrote {json_out}")
+
+
+def _soak(engine: Optional[str], minutes: float, every_s: float, faults: str, json_out,
+          spec) -> None:
+    """`--soak`: the sim replay under faults (`tools.cli_replay_soak`); exits with its code."""
+    from kvtier.tools.cli_replay_soak import run_and_show_soak
+    from kvtier.tools.replay_soak import SoakSpec
+    if engine != "sim":
+        raise ReplayError("--soak runs the simulated engines: add --engine sim")
+    kinds = tuple(f.strip() for f in faults.split(",") if f.strip())
+    raise typer.Exit(run_and_show_soak(SoakSpec(spec(), minutes * 60, every_s, kinds),
+                                       json_out))
 
 
 def _mark(ok) -> str:

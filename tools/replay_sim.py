@@ -10,7 +10,8 @@ A discrete-event simulation replaces the model, and only the model:
   before its head, as vLLM frees blocks;
 - the kvtier part is real: each instance is a process with its own `TieredStore`
   (`tools.replay_sim_worker`), lending its own pool segment to one real `mooncake_master`,
-  with its own index and nvme dir and one shared dir. Lookups, loads (verified bytes) and
+  with its own index and nvme dir and one shared dir. Lookups, loads (verified bytes, each
+  frame checked against its key: `wrong_blocks` in the record must be 0) and
   saves happen in event order at the virtual time they happen, so hits, tiers and bytes are
   what the store really did. Store calls are made one at a time, so the measured load times
   (reported, not used by the model) are not skewed by contention.
@@ -104,10 +105,10 @@ class SimRun:
         keys = plan.keys(i, self.fp)
         cap = min(len(keys), (int(plan.input_tokens[i]) - 1) // bt)  # one token to compute
         local = min(inst.cache.match(keys), cap)
-        hit, tiers, load_s = local, [], 0.0
+        hit, tiers, load_s, wrong = local, [], 0.0, 0
         if inst.worker is not None:
             sid = f"s{int(plan.session[i])}" if plan.session[i] >= 0 else None
-            got, tiers, load_s = inst.worker.call("request", keys[:cap], local, sid, t)
+            got, tiers, load_s, wrong = inst.worker.call("request", keys[:cap], local, sid, t)
             hit = max(local, got)
         loaded: dict[str, int] = {}
         for name in tiers:
@@ -117,10 +118,11 @@ class SimRun:
         by_kind = {self.kinds[n]: v for n, v in loaded.items()}
         service = self.model.ttft(new, cached, by_kind)
         inst.busy = True
-        self._push(t + service, "done", (k, i, sent, t, keys, local, hit, loaded, load_s))
+        self._push(t + service, "done",
+                   (k, i, sent, t, keys, local, hit, loaded, load_s, wrong))
 
     def _finish(self, data, t: float) -> None:
-        k, i, sent, start, keys, local, hit, loaded, load_s = data
+        k, i, sent, start, keys, local, hit, loaded, load_s, wrong = data
         inst, plan = self.insts[k], self.plan
         n_full = int(plan.input_tokens[i]) // plan.block_tokens
         saved = 0
@@ -135,7 +137,7 @@ class SimRun:
             "instance": k, "input_tokens": int(plan.input_tokens[i]), "output_tokens": out,
             "sent": sent, "start": start, "end": end, "ttft": t - sent, "e2e": end - sent,
             "cached": hit * plan.block_tokens, "tiers": loaded, "saved_chunks": saved,
-            "load_s": load_s}
+            "load_s": load_s, "wrong_blocks": wrong}
         inst.load -= 1
         nxt = int(plan.next_in_session[i])
         if nxt >= 0:
