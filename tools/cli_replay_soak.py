@@ -55,37 +55,41 @@ def render(rep: dict, out: Console) -> None:
               f"of {rep['plan_requests']} requests: {verdict}")
     t.add_column("what")
     t.add_column("count", justify="right")
-    for kind, c in rep["faults"].items():
-        t.add_row(f"fault {kind}", f"{c['injected']}" + (f" (+{c['skipped']} skipped)"
-                                                         if c["skipped"] else ""))
-    for k, v in rep["requests"].items():
-        t.add_row(f"requests {k.replace('_', ' ')}", str(v))
-    for k, v in rep["instance_deaths"].items():
-        t.add_row(f"instances {k}", str(v))
-    t.add_row("wrong blocks served", str(rep["wrong_blocks"]))
-    t.add_row("frames corrupted (shared / nvme)",
-              f"{rep['corrupted']['shared']} / {rep['corrupted']['nvme']}")
-    t.add_row("corrupt blocks detected (quarantined)",
-              ", ".join(f"{k} {v}" for k, v in rep["corrupt_detected"].items()) or "0")
-    for tier, rb in rep["read_back"].items():
-        t.add_row(f"corrupted {tier} read back at the end: still held / corrupt / wrong",
-                  f"{rb.get('held', 0)} / {rb.get('corrupt', 0)} / {rb.get('wrong', 0)}")
-    t.add_row("mover: copies refused by a full disk, tier errors absorbed",
-              f"{sum(v for k, v in rep['mover'].items() if k.startswith('full_'))}, "
-              f"{rep['mover'].get('errors', 0) + rep['mover'].get('copy_errors', 0)}")
-    m = rep["master"]
-    t.add_row("master restarts: pool hits again after (max / median s)",
-              f"{m['restarts']}: {_s(m['max_s'])} / {_s(m['median_s'])}"
-              + (f", unrecovered {m['unrecovered_s']}" if m["unrecovered_s"] else ""))
-    ck = rep["check"]
-    t.add_row("inspect check at the end", "clean" if ck["clean"] else
-              f"[red]{ck['problems_by_kind'] or 'unchecked tiers'}[/]")
-    t.add_row("token hit rate %", _s(rep["hit_pct"]))
+    for row in summary_rows(rep):
+        t.add_row(*row)
     out.print(t)
     render_intervals(rep, out)
     if rep["failures"]:
         out.print("[red]failures:[/]\n" + "\n".join(escape(f) for f in rep["failures"]))
     out.print(f"{rep['date']}, {rep['machine']}, {rep['wall_s']:.0f} s")
+
+
+def summary_rows(rep: dict) -> list[tuple[str, str]]:
+    rows = [(f"fault {kind}", f"{c['injected']}" + (f" (+{c['skipped']} skipped)"
+                                                    if c["skipped"] else ""))
+            for kind, c in rep["faults"].items()]
+    rows += [(f"requests {k.replace('_', ' ')}", str(v)) for k, v in rep["requests"].items()]
+    rows += [(f"instances {k}", str(v)) for k, v in rep["instance_deaths"].items()]
+    rows += [("wrong blocks served", str(rep["wrong_blocks"])),
+             ("frames corrupted (shared / nvme)",
+              f"{rep['corrupted']['shared']} / {rep['corrupted']['nvme']}"),
+             ("corrupt blocks detected (quarantined)",
+              ", ".join(f"{k} {v}" for k, v in rep["corrupt_detected"].items()) or "0")]
+    rows += [(f"corrupted {tier} read back at the end: still held / corrupt / wrong",
+              f"{rb.get('held', 0)} / {rb.get('corrupt', 0)} / {rb.get('wrong', 0)}")
+             for tier, rb in rep["read_back"].items()]
+    mv, m, ck = rep["mover"], rep["master"], rep["check"]
+    rows += [("mover: failed copies (full disk, pool gone) / puts into a full tier / tier "
+              "errors absorbed", f"{mv.get('copy_errors', 0)} / "
+              f"{sum(v for k, v in mv.items() if k.startswith('full_'))} / "
+              f"{mv.get('errors', 0)}"),
+             ("master restarts: pool hits again after (max / median s)",
+              f"{m['restarts']}: {_s(m['max_s'])} / {_s(m['median_s'])}"
+              + (f", unrecovered {m['unrecovered_s']}" if m["unrecovered_s"] else "")),
+             ("inspect check at the end", "clean" if ck["clean"] else
+              f"[red]{ck['problems_by_kind'] or 'unchecked tiers'}[/]"),
+             ("token hit rate %", _s(rep["hit_pct"]))]
+    return rows
 
 
 def render_intervals(rep: dict, out: Console) -> None:

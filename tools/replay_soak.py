@@ -41,7 +41,8 @@ from kvtier.store.config import MasterConfig, policy_from_dict
 from kvtier.store.keys import Namespace
 from kvtier.store.master import EmbeddedMaster, free_port
 from kvtier.tools.replay_cluster import Config, ReplayError, Sizing, node_policy
-from kvtier.tools.replay_engine_run import EngineSpec, build_plan, bytes_per_token, kv_tokens_for
+from kvtier.tools.replay_engine_run import (EngineSpec, build_plan, bytes_per_token,
+                                            kv_tokens_for)
 from kvtier.tools.replay_faults import SoakDisk
 from kvtier.tools.replay_injector import FAULTS, Injector
 from kvtier.tools.replay_model import Calibration

@@ -19,8 +19,9 @@ it (only what it counts during the killed call itself is).
 from __future__ import annotations
 
 import random
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 
 from kvtier.tools.replay_sim_worker import (InstanceDied, InstanceError, InstanceKilled,
                                             SimWorker)
@@ -38,11 +39,12 @@ class SoakOver(Exception):
 class SoakNode:
     def __init__(self, node_id: str, policy: dict, payload_bytes: int, log_path: str, soak,
                  rng: random.Random):
-        self.node, self.policy, self.payload, self.log = node_id, policy, payload_bytes, log_path
+        self.node, self.policy, self.log = node_id, policy, log_path
+        self.payload = payload_bytes
         self.soak, self.rng = soak, rng
         self.worker: SimWorker | None = None
         self.armed = 0          # > 0: the next saves are killed mid-call (attempts left)
-        self.save_s = 0.01      # running mean of this node's saves that write blocks
+        self.save_s: deque = deque(maxlen=32)  # seconds of its recent saves with blocks
         self.banked: Counter = Counter()  # tier counters of processes that are gone
 
     # ---- process life --------------------------------------------------------------------
@@ -100,8 +102,8 @@ class SoakNode:
                 self.soak.failed(self.node, op, str(e))
                 return _nothing(op, args)
             if op == "save" and args[0]:
-                self.save_s = 0.8 * self.save_s + 0.2 * (time.monotonic() - t)
-            if planned:  # the reply beat the kill: try the next save
+                self.save_s.append(time.monotonic() - t)
+            if planned:  # the reply beat the kill: try the next save, sooner
                 self.armed -= 1
                 if not self.armed:
                     self._kill_between_calls()
@@ -111,9 +113,12 @@ class SoakNode:
         return _nothing(op, args)
 
     def _kill_after(self, planned: bool) -> float:
-        """A planned kill lands at a uniform point of a typical save of this node (its
-        running mean), so it cuts a save anywhere: catching up the mover, writing."""
-        return self.rng.uniform(0.0, self.save_s) if planned else HANG_S
+        """A planned kill lands at a uniform point of this node's median save (catching up
+        the mover, writing); each try the reply won halves the span."""
+        if not planned:
+            return HANG_S
+        span = statistics.median(self.save_s) if self.save_s else 0.01
+        return self.rng.uniform(0.0, span * 0.5 ** (KILL_TRIES - self.armed))
 
     def _died(self, how: str, why: str) -> None:
         self.soak.killed(self.node, how, why)

@@ -4,10 +4,12 @@
 (`tools.replay_soak.Soak`): the faults injected and skipped per kind and their log; the
 requests completed, failed and retried and how instances died; wrong blocks served; corrupt
 blocks detected (the tiers' `corrupt` counters of every process of every node, the read-back
-at the end included) and what the read-back found; per interval of `fault_every_s` (the
-fault named is the one injected at its start) the requests and the hit rates, so recovery
-after each fault shows; the master's recovery times; `inspect check` per node, problems by
-kind. `ok` is the verdict, `why_not` says what failed it.
+at the end included) and what the read-back found, per tier; the mover's failed copies (a
+full disk, the pool gone), puts that found a tier full and tier errors it absorbed; per
+interval of `fault_every_s` (the fault named is the one injected at its start) the requests
+and the hit rates, so recovery after each fault shows; the master's recovery times;
+`inspect check` per node, problems by kind. `ok` is the verdict, `why_not` says what failed
+it.
 """
 
 from __future__ import annotations
