@@ -19,7 +19,6 @@ itself once it is done): the comparison is conservative for the faster one.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from kvtier.store.master import EmbeddedMaster, free_port
 from kvtier.tools.replay_cluster import Config, Sizing, node_policy
 from kvtier.tools.replay_plan import Plan
 from kvtier.tools.replay_router import make_router
+from kvtier.tools.threads import in_threads
 
 TIER_KINDS = {"dram": "mooncake", "nvme": "nvme", "shared": "sharedfs"}
 
@@ -68,34 +68,15 @@ def run_side_by_side(ctx: RunCtx, cfgs: list[Config], roots: list[Path], ui) -> 
         # masters start here, on this thread (they die with the thread that started them)
         for cfg, root in zip(cfgs, roots):
             clusters.append(_vllm_cluster(ctx, cfg, root, ui))
-        _in_threads([c.start for c in clusters])
+        in_threads([c.start for c in clusters])
         records: list = [None] * len(cfgs)
-        _in_threads([lambda k=k: records.__setitem__(k, _replay_vllm(
+        in_threads([lambda k=k: records.__setitem__(k, _replay_vllm(
             ctx, cfgs[k], clusters[k], ui, updates[k])) for k in range(len(cfgs))])
     finally:
         for c in clusters:
             c.close()
     return [(records[k], {"tier_names": tier_names(cfgs[k]), "held": clusters[k].held()})
             for k in range(len(cfgs))]
-
-
-def _in_threads(jobs) -> None:
-    """Run `jobs` in parallel threads; re-raise the first failure here."""
-    errors: list[BaseException] = []
-
-    def wrap(job) -> None:
-        try:
-            job()
-        except BaseException as e:  # re-raised below, on the caller's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=wrap, args=(j,)) for j in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def _vllm_cluster(ctx: RunCtx, cfg: Config, root: Path, ui):
@@ -156,7 +137,7 @@ def _start_workers(root, cfg, sizing, n, address, spec):
                               spec.eviction, spec.admission)
             workers.append(SimWorker(pol, f"n{k}", sizing.block_bytes,
                                      str(root / f"instance-n{k}.log")))
-        _in_threads([w.ready for w in workers])
+        in_threads([w.ready for w in workers])
     except BaseException:
         for w in workers:
             w.close()
