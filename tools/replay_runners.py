@@ -67,7 +67,7 @@ def run_side_by_side(ctx: RunCtx, cfgs: list[Config], roots: list[Path], ui) -> 
     try:
         # masters start here, on this thread (they die with the thread that started them)
         for cfg, root in zip(cfgs, roots):
-            clusters.append(_vllm_cluster(ctx, cfg, root, ui))
+            clusters.append(_vllm_cluster(ctx, cfg, root, ui, len(cfgs)))
         in_threads([c.start for c in clusters])
         records: list = [None] * len(cfgs)
         in_threads([lambda k=k: records.__setitem__(k, _replay_vllm(
@@ -79,7 +79,7 @@ def run_side_by_side(ctx: RunCtx, cfgs: list[Config], roots: list[Path], ui) -> 
             for k in range(len(cfgs))]
 
 
-def _vllm_cluster(ctx: RunCtx, cfg: Config, root: Path, ui):
+def _vllm_cluster(ctx: RunCtx, cfg: Config, root: Path, ui, clusters: int = 1):
     from kvtier.tools.replay_engine_run import model_dir
     from kvtier.tools.replay_vllm import VllmCluster
     from kvtier.tools.vllm_engine import make_tiny_model
@@ -89,7 +89,7 @@ def _vllm_cluster(ctx: RunCtx, cfg: Config, root: Path, ui):
                        chunk_tokens=spec.chunk_tokens, block_size=32,
                        num_blocks=ctx.kv_tok // 32 + 1, max_model_len=ctx.max_len,
                        dtype=spec.dtype, eviction=spec.eviction, admission=spec.admission,
-                       say=ui.say)
+                       engines_alongside=clusters, say=ui.say)
 
 
 def _replay_vllm(ctx: RunCtx, cfg: Config, cluster, ui, update) -> list[dict]:
