@@ -184,6 +184,19 @@ def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.05):
         time.sleep(every_s)
 
 
+# ---- a node's store ----------------------------------------------------------------------
+
+@pytest.fixture
+def store(tmp_path, shared_master):
+    """A `TieredStore` of node `node-a` (pool, nvme, sharedfs under tmp_path), no mover
+    thread; closed after the test."""
+    from kvtier.store.tiered import TieredStore
+    s = TieredStore(make(policy_dict(tmp_path, shared_master.address)), node_id="node-a",
+                    mover=False)
+    yield s
+    s.close()
+
+
 # ---- mounts and sockets ------------------------------------------------------------------
 
 @pytest.fixture

@@ -19,7 +19,8 @@ import os
 
 import pytest
 
-from fault_util import OTHER_NS, KiB, frame_for, load_checked, make, out_for, policy_dict, request_keys
+from fault_util import (OTHER_NS, KiB, frame_for, load_checked, make, out_for,  # noqa: F401
+                        policy_dict, request_keys, store)
 from kvtier.store import block
 from kvtier.store.keys import NS_HEX
 from kvtier.store.tiered import TieredStore
@@ -61,14 +62,6 @@ DAMAGE = {
     "misplaced-key": lambda k, f: misplaced(k),
     "trailing-junk": lambda k, f: f + b"junk",
 }
-
-
-@pytest.fixture
-def store(tmp_path, shared_master):
-    s = TieredStore(make(policy_dict(tmp_path, shared_master.address)), node_id="node-a",
-                    mover=False)
-    yield s
-    s.close()
 
 
 def stored_everywhere(store: TieredStore, keys: list[str]) -> None:

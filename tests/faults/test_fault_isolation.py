@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import start_master
-from fault_util import KiB, frame_for, load_checked, make, out_for, policy_dict, request_keys
+from fault_util import (KiB, frame_for, load_checked, make, out_for,  # noqa: F401
+                        policy_dict, request_keys, store)
 from kvtier.store.keys import KEY_HEX, NS_HEX, Namespace, block_keys, is_key
 from kvtier.store.master import free_port
 from kvtier.store.tiered import TieredStore
@@ -55,14 +56,6 @@ def test_every_key_stays_under_the_root(key):
     root = Path("/srv/kvtier/shared")
     resolved = Path(os.path.normpath(block_path(root, key)))
     assert resolved.is_relative_to(root) and len(resolved.relative_to(root).parts) == 3
-
-
-@pytest.fixture
-def store(tmp_path, shared_master):
-    s = TieredStore(make(policy_dict(tmp_path, shared_master.address)), node_id="node-a",
-                    mover=False)
-    yield s
-    s.close()
 
 
 BAD_KEYS = ["../../etc/passwd", "0" * NS_HEX + "/../../../../etc/shadow", "A" * KEY_HEX,
