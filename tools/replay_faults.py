@@ -23,8 +23,8 @@ import subprocess
 from pathlib import Path
 
 from kvtier.store.block import HEADER_SIZE
+from kvtier.tiers.sharedfs_files import SUFFIX as BLOCK_SUFFIX  # <root>/ab/cd/<key>.kvb
 
-BLOCK_SUFFIX = ".kvb"  # tiers.sharedfs_files: <root>/ab/cd/<key>.kvb; temps start with "."
 
 
 class SoakDisk:
