@@ -82,17 +82,20 @@ class Sizing:
 
 
 def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
-                chunk_tokens: int, eviction: str, admission: str) -> dict:
-    """The inline policy of one instance (`node`) of configuration `cfg`."""
+                chunk_tokens: int, eviction: str, admission: str,
+                tiers_root: Path | None = None) -> dict:
+    """The inline policy of one instance (`node`) of configuration `cfg`; its index lives
+    under `root`, its nvme dir and the shared dir under `tiers_root` (default `root`)."""
     ws = sizing.working_set_bytes
+    disk = tiers_root or root
     tiers = [{"name": "dram", "kind": "mooncake",
               "capacity": sizing.segment_bytes(cfg.dram_frac), "buffer": "32MiB",
               "staging": "32MiB"}]
     if cfg.kind == "kvtier":
-        tiers += [{"name": "nvme", "kind": "nvme", "path": str(root / node / "nvme"),
+        tiers += [{"name": "nvme", "kind": "nvme", "path": str(disk / node / "nvme"),
                    "capacity": max(64 << 20, _round_up(2 * ws, 4 << 20)),
                    "region_size": "4MiB"},
-                  {"name": "shared", "kind": "sharedfs", "path": str(root / "shared"),
+                  {"name": "shared", "kind": "sharedfs", "path": str(disk / "shared"),
                    "capacity": max(64 << 20, 2 * ws)}]
     return {"namespace": {"model": MODEL_NAME}, "chunk_tokens": chunk_tokens,
             "index": {"path": str(root / node / "index"), "map_size": "64MiB"},

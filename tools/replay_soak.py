@@ -81,14 +81,8 @@ class SoakSpec:
 def soak_policy(root: Path, disk: Path, node: str, address: str, es: EngineSpec,
                 sizing: Sizing) -> dict:
     """The replay's node policy, with the nvme and shared dirs on the soak's disk."""
-    pol = node_policy(root, node, address, Config("kvtier", es.dram[0], "kvtier"), sizing,
-                      es.chunk_tokens, es.eviction, es.admission)
-    for t in pol["tiers"]:
-        if t["kind"] == "nvme":
-            t["path"] = str(disk / node / "nvme")
-        elif t["kind"] == "sharedfs":
-            t["path"] = str(disk / "shared")
-    return pol
+    return node_policy(root, node, address, Config("kvtier", es.dram[0], "kvtier"), sizing,
+                       es.chunk_tokens, es.eviction, es.admission, tiers_root=disk)
 
 
 def run_soak(spec: SoakSpec, ui) -> dict:
