@@ -131,8 +131,10 @@ def test_a_corrupt_block_on_disk_is_recomputed(engines, cluster):
     assert out.kv_transfer_params["kvtier"]["saved_chunks"] == len(keys) + 1 - bad
     quarantined = [p for p in (cluster.shared / ".quarantine").rglob("*") if keys[bad] in p.name]
     assert quarantined, "the corrupt file was not quarantined"
+    # the recomputed chunks were saved again: e's mover puts them back on the shared tier
+    wait_persisted(cluster, prompt, policy_node="e")
     e.reset_prefix_cache()
-    healed = served(e, prompt)  # the recomputed chunks were saved again
+    healed = served(e, prompt)
     assert healed.num_cached_tokens >= 0.9 * full_block_tokens(prompt)
     assert healed.token_ids == out.token_ids
 
