@@ -117,7 +117,8 @@ class MoverConfig(BaseModel):
 
 
 class MooncakeTierConfig(BaseModel):
-    """The pooled DRAM tier; `capacity` is the segment this process lends to the pool."""
+    """The pooled DRAM tier; `capacity` is the segment this process (or, with `service`, the
+    node's pool service) lends to the pool."""
 
     model_config = _FROZEN
     kind: Literal["mooncake"]
@@ -134,6 +135,14 @@ class MooncakeTierConfig(BaseModel):
     # spills to other segments when it is full. False lets the master place every object.
     prefer_local: bool = True
     retry_backoff_s: float = Field(default=0.05, ge=0)
+    # The node's pool service (Mooncake's standalone `mooncake_client`) at this address:
+    # set, this process lends nothing and moves frames through shared memory with the
+    # service, which holds the node's segment of `capacity` bytes (the fast path when
+    # several engines share a node: no TCP between them). Unset: this process lends
+    # `capacity` itself and reaches other processes' segments over `protocol`.
+    service: Address | None = None
+    service_embedded: bool = True  # start the service when none answers at `service`
+    service_threads: int = Field(default=2, ge=1, le=64)
     eviction: EvictionConfig | None = None
 
     @model_validator(mode="after")

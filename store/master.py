@@ -32,21 +32,26 @@ INSTALL_HINT = ("pip install 'kvtier[cpu]' (mooncake-transfer-engine-non-cuda) o
 
 def find_master_binary() -> Path:
     """The `mooncake_master` beside this Python, or inside the mooncake package, or on PATH."""
-    candidates = [Path(sys.prefix) / "bin" / "mooncake_master"]
+    return find_mooncake_binary("mooncake_master")
+
+
+def find_mooncake_binary(name: str) -> Path:
+    """The wheel's binary `name` beside this Python, inside the mooncake package, or on PATH."""
+    candidates = [Path(sys.prefix) / "bin" / name]
     try:
         import importlib.util
         spec = importlib.util.find_spec("mooncake")
         if spec is not None and spec.origin:
-            candidates.append(Path(spec.origin).parent / "mooncake_master")
+            candidates.append(Path(spec.origin).parent / name)
     except (ImportError, ValueError):
         pass
-    on_path = shutil.which("mooncake_master")
+    on_path = shutil.which(name)
     if on_path:
         candidates.append(Path(on_path))
     for path in candidates:
         if path.is_file() and os.access(path, os.X_OK):
             return path
-    raise MasterError(f"mooncake_master not found; install it: {INSTALL_HINT}")
+    raise MasterError(f"{name} not found; install it: {INSTALL_HINT}")
 
 
 def check_shared_libraries(binary: Path) -> None:
@@ -62,7 +67,7 @@ def check_shared_libraries(binary: Path) -> None:
                           f"packages: apt-get install {DEBIAN_PACKAGES}")
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the owning process dies, however it dies."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -146,7 +151,7 @@ class EmbeddedMaster:
             # processes that joined it start a new one (ensure_master) when they notice.
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
         except OSError as e:
             raise MasterError(f"cannot run {binary}: {e.strerror}; reinstall: {INSTALL_HINT}"
                               ) from None

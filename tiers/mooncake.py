@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from kvtier.store.block import HEADER_SIZE, alloc_aligned, parse_header, verify
+from kvtier.store.block import HEADER_SIZE, parse_header, verify
 from kvtier.store.config import MooncakeTierConfig
 from kvtier.store.errors import CorruptBlockError
 from kvtier.tiers import mooncake_check
@@ -61,13 +61,16 @@ class MooncakeTier(Tier):
         self.cfg = cfg
         self.ctx = ctx
         self.client = MooncakeClient(cfg, ctx.master)
-        self.staging = alloc_aligned(cfg.staging_bytes)
-        self.client.register(self.staging)
         self._staging_lock = threading.Lock()  # one call at a time uses staging
         # False sends every transfer through staging, registered or not (benchmarks, debugging).
         self.zero_copy = True
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{cfg.name}")
         self.usage = PoolUsage(cfg.capacity_bytes, self.client, ctx.master)
+
+    @property
+    def staging(self) -> memoryview:
+        """The client's registered scratch buffer (replaced when it reconnects to a service)."""
+        return self.client.staging
 
     # ---- the contract --------------------------------------------------------------------
 
@@ -192,6 +195,7 @@ class MooncakeTier(Tier):
                 raise self.client.fail("batch_remove", code)
             removed += code == OK
         self.usage.forget(keys)
+        self.usage.refresh()  # the master's reading predates the removal
         self.stats.add(deletes=removed)
         return removed
 
@@ -205,8 +209,13 @@ class MooncakeTier(Tier):
         return mooncake_check.repair(self, problems)
 
     def register(self, buf) -> None:
-        """Register `buf` so puts from it and gets into it skip the staging copy."""
+        """Register `buf` so puts from it and gets into it skip the staging copy (with a pool
+        service only `alloc_shared` memory can be; others keep the copy)."""
         self.client.register(buf)
+
+    def alloc_shared(self, nbytes: int) -> memoryview:
+        """Page-aligned memory the pool moves frames to and from without a copy."""
+        return self.client.alloc_shared(nbytes)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
@@ -217,6 +226,13 @@ class MooncakeTier(Tier):
     def _transfer(self, op: str, keys: Sequence[str], views: list[memoryview],
                   sizes: list[int], check=None) -> list[int]:
         """Run a batched put or get over direct and staged chunks; return per-key codes."""
+        # Registrations and staging are read inside the session: a reconnect to a new pool
+        # service replaces both.
+        with self.client.session() as store:
+            return self._transfer_on(store, op, keys, views, sizes, check)
+
+    def _transfer_on(self, store, op: str, keys: Sequence[str], views: list[memoryview],
+                     sizes: list[int], check) -> list[int]:
         addrs = [buffer_address(v) for v in views]
         registered = self.client.registered
         direct = [self.zero_copy and registered(a, n) for a, n in zip(addrs, sizes)]
@@ -224,20 +240,20 @@ class MooncakeTier(Tier):
         if all(direct) and (op == "put" or not worth_pipelining(sum(sizes))):
             # One call, nothing to stage or to overlap: skip the pipeline's bookkeeping,
             # which is a sizeable share of a 256 KiB call (~0.1-0.2 ms in Mooncake).
-            with self.client.session() as store:
-                codes = (store.batch_put_from(list(keys), addrs, sizes, self.client.replicate)
-                         if op == "put" else store.batch_get_into(list(keys), addrs, sizes))
+            codes = (store.batch_put_from(list(keys), addrs, sizes, self.client.replicate)
+                     if op == "put" else store.batch_get_into(list(keys), addrs, sizes))
             for i, code in enumerate(codes):
                 if is_down(code):
                     raise self.client.fail(call, code)
                 if check is not None:
                     check(i, code, views[i])
             return codes
-        chunks = plan_chunks(sizes, direct, len(self.staging), merge_direct=(op == "put"))
+        staging = self.client.staging
+        chunks = plan_chunks(sizes, direct, len(staging), merge_direct=(op == "put"))
         codes = [0] * len(keys)
-        staging_addr = buffer_address(self.staging)
+        staging_addr = buffer_address(staging)
 
-        def xfer(store, chunk: Chunk) -> list[int]:
+        def xfer(chunk: Chunk) -> list[int]:
             ptrs = ([staging_addr + off for off in chunk.offsets] if chunk.staged
                     else [addrs[i] for i in chunk.idx])
             ks, ns = [keys[i] for i in chunk.idx], [sizes[i] for i in chunk.idx]
@@ -248,7 +264,7 @@ class MooncakeTier(Tier):
         def pre(chunk: Chunk) -> None:  # put: copy frames into staging
             if op == "put" and chunk.staged:
                 for i, off in zip(chunk.idx, chunk.offsets):
-                    self.staging[off:off + sizes[i]] = views[i][:sizes[i]]
+                    staging[off:off + sizes[i]] = views[i][:sizes[i]]
 
         def post(chunk: Chunk, got: list[int]) -> None:
             for j, (i, code) in enumerate(zip(chunk.idx, got)):
@@ -260,17 +276,15 @@ class MooncakeTier(Tier):
                 frame = views[i]
                 if chunk.staged and code > 0:  # staged get: one copy out
                     off = chunk.offsets[j]
-                    frame[:code] = self.staging[off:off + code]
+                    frame[:code] = staging[off:off + code]
                 check(i, code, frame)
 
-        staged = any(c.staged for c in chunks)
-        with self.client.session() as store:
-            args = (self._worker, chunks, lambda c: xfer(store, c), pre, post, len(self.staging))
-            if staged:
-                with self._staging_lock:
-                    run_pipeline(*args)
-            else:
+        args = (self._worker, chunks, xfer, pre, post, len(staging))
+        if any(c.staged for c in chunks):
+            with self._staging_lock:
                 run_pipeline(*args)
+        else:
+            run_pipeline(*args)
         return codes
 
     # ---- bookkeeping ---------------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.store.block import alloc_aligned
 from kvtier.store.config import MasterConfig, MooncakeTierConfig
 from kvtier.store.errors import MasterError, TierError, TierUnavailableError
 from kvtier.store.master import INSTALL_HINT, ensure_master, master_answers
@@ -116,19 +117,25 @@ class MooncakeClient:
         self.master = master
         self.mc = import_mooncake()
         self.owned_master = None  # an EmbeddedMaster this client had to start
+        self.owned_service = None  # a PoolService this client had to start
         self._lock = threading.Lock()  # serializes reconnects and registrations
         self._down = False
         self._closed = False
         # Registered buffers sorted by address, as (starts, [(addr, nbytes, owner)]), replaced
         # whole on registration so lock-free readers never see the two lists out of step.
         self._regs: tuple[list[int], list[tuple[int, int, Any]]] = ([], [])
+        # Registered scratch memory for frames in unregistered buffers (shared memory with
+        # the pool service, replaced on each reconnect: a new service maps none of the old).
+        self.staging: memoryview | None = None
         self._handle = _Handle(self._new_store())
-        self.segment = self._handle.store.get_hostname()  # this client's segment name
+        self.segment = self._segment_name(self._handle.store)  # where prefer_local puts
         self.replicate = self._replicate_config()
 
     # ---- connecting ----------------------------------------------------------------------
 
     def _where(self) -> str:
+        if self.cfg.service:
+            return f"pool service {self.cfg.service} (master {self.master.address})"
         return f"Mooncake master {self.master.address}"
 
     def _ensure_master(self) -> None:
@@ -147,6 +154,11 @@ class MooncakeClient:
     def _new_store(self) -> Any:
         self._ensure_master()
         store = self.mc.MooncakeDistributedStore()
+        if self.cfg.service:
+            return self._join_service(store)
+        if self.staging is None:
+            self.staging = alloc_aligned(self.cfg.staging_bytes)
+            self._add_reg(buffer_address(self.staging), len(self.staging), self.staging)
         cfg = self.cfg
         rc = store.setup(cfg.local_hostname, self.master.metadata_server, cfg.capacity_bytes,
                          cfg.buffer_bytes, cfg.protocol, cfg.device, self.master.address)
@@ -164,6 +176,43 @@ class MooncakeClient:
                                            f"{self._where()}; restart the process")
         return store
 
+    def _join_service(self, store: Any) -> Any:
+        """Connect `store` to the node's pool service as a shared-memory client."""
+        cfg = self.cfg
+        from kvtier.tiers.mooncake_service import ensure_service
+        if not master_answers(cfg.service):
+            try:
+                self.owned_service = ensure_service(cfg, self.master) or self.owned_service
+            except MasterError as e:
+                raise TierUnavailableError(f"tier {cfg.name!r}: {e}") from None
+        rc = store.setup_dummy(cfg.buffer_bytes, cfg.buffer_bytes, cfg.service)
+        if rc != OK:
+            raise TierUnavailableError(
+                f"tier {cfg.name!r}: joining the {self._where()} failed (code {rc}); check "
+                "that the service runs as this user on this node and see its log")
+        # Memory registered with an earlier service is not mapped in this one.
+        self._regs = ([], [])
+        self.staging = self._alloc_shared(store, cfg.staging_bytes)
+        return store
+
+    def _alloc_shared(self, store: Any, nbytes: int) -> memoryview:
+        addr = store.alloc_from_mem_pool(nbytes)
+        if not addr or store.register_buffer(addr, nbytes) != OK:
+            raise TierUnavailableError(
+                f"tier {self.cfg.name!r}: {nbytes} bytes of shared memory with the "
+                f"{self._where()} could not be mapped; check /dev/shm space and ulimit -l")
+        view = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+        self._add_reg(addr, nbytes, view)
+        return view
+
+    def _segment_name(self, store: Any) -> str:
+        """This client's segment; with a service, the service's (empty when unknown)."""
+        if not self.cfg.service:
+            return store.get_hostname()
+        from kvtier.tiers.mooncake_service import service_log, service_segment
+        owned = self.owned_service
+        return service_segment(owned.log_path if owned else service_log(self.cfg)) or ""
+
     def _replicate_config(self) -> Any:
         """Replication and soft pin from the policy, on whatever this API version offers."""
         rc = self.mc.ReplicateConfig()
@@ -175,7 +224,7 @@ class MooncakeClient:
             rc.with_soft_pin = self.cfg.soft_pin
         if hasattr(self.mc, "ObjectDataType") and hasattr(rc, "data_type"):
             rc.data_type = self.mc.ObjectDataType.KVCACHE
-        if self.cfg.prefer_local:
+        if self.cfg.prefer_local and self.segment:
             # Measured on loopback: 4.5-5.8 GB/s into the own segment (memcpy) against
             # 1.4-1.8 GB/s into another client's segment (TCP).
             rc.preferred_segment = self.segment
@@ -187,7 +236,7 @@ class MooncakeClient:
                 return  # another thread reconnected while we waited
             new = _Handle(self._new_store())
             old, self._handle = self._handle, new
-            self.segment = new.store.get_hostname()
+            self.segment = self._segment_name(new.store)
             self.replicate = self._replicate_config()  # the new segment is the local one
             self._down = False
         # close() takes ~2 s and must wait for the calls still running on the old client.
@@ -216,23 +265,46 @@ class MooncakeClient:
 
     # ---- registered memory ---------------------------------------------------------------
 
-    def register(self, buf) -> int:
-        """Register `buf` (kept alive until close) for zero-copy transfers; return its address."""
+    def register(self, buf) -> int | None:
+        """Register `buf` (kept alive until close) for zero-copy transfers; return its address.
+
+        With a pool service only memory from `alloc_shared` can be registered: for any other
+        buffer this returns None, and transfers from it go through `staging`."""
         view = memoryview(buf)
         addr, nbytes = buffer_address(view), view.nbytes
         with self._lock:
             if self.registered(addr, nbytes):
                 return addr
+            if self.cfg.service:
+                return None
             rc = self._handle.store.register_buffer(addr, nbytes)
             if rc != OK:
                 raise TierError(f"tier {self.cfg.name!r}: register_buffer of {nbytes} bytes "
                                 f"failed (code {rc}); use page-aligned memory "
                                 "(block.alloc_aligned) and check the memlock limit (ulimit -l)")
-            starts, bufs = self._regs
-            i = bisect.bisect(starts, addr)
-            self._regs = (starts[:i] + [addr] + starts[i:],
-                          bufs[:i] + [(addr, nbytes, view)] + bufs[i:])
+            self._add_reg(addr, nbytes, view)
         return addr
+
+    def alloc_shared(self, nbytes: int) -> memoryview:
+        """Page-aligned memory registered for zero-copy transfers (shared with the pool service
+        when there is one). After a reconnect to a new service it is no longer registered:
+        transfers from it then go through `staging`, still correct."""
+        with self._lock:
+            if not self.cfg.service:
+                view = alloc_aligned(nbytes)
+                rc = self._handle.store.register_buffer(buffer_address(view), nbytes)
+                if rc != OK:
+                    raise TierError(f"tier {self.cfg.name!r}: register_buffer of {nbytes} "
+                                    f"bytes failed (code {rc}); check ulimit -l")
+                self._add_reg(buffer_address(view), nbytes, view)
+                return view
+            return self._alloc_shared(self._handle.store, nbytes)
+
+    def _add_reg(self, addr: int, nbytes: int, owner: Any) -> None:
+        starts, bufs = self._regs
+        i = bisect.bisect(starts, addr)
+        self._regs = (starts[:i] + [addr] + starts[i:],
+                      bufs[:i] + [(addr, nbytes, owner)] + bufs[i:])
 
     def registered(self, addr: int, nbytes: int) -> bool:
         """True if [addr, addr+nbytes) lies inside one registered buffer."""

@@ -32,6 +32,7 @@ class PoolUsage:
         self._mine: dict[str, int] = {}
         self._lock = threading.Lock()
         self._cache = (0.0, 0)  # (monotonic time, bytes) of the last metrics read
+        self._since = 0  # bytes of new frames put since that read
 
     def stored(self, keys: Sequence[str], sizes: Sequence[int]) -> tuple[int, int]:
         """Remember stored frames; return (how many, bytes) were new to this process."""
@@ -42,6 +43,7 @@ class PoolUsage:
                 if key not in mine:
                     new, nbytes = new + 1, nbytes + size
                 mine[key] = size
+            self._since += nbytes
         return new, nbytes
 
     def forget(self, keys: Sequence[str]) -> None:
@@ -52,12 +54,15 @@ class PoolUsage:
 
     def refresh(self) -> None:
         """Drop the cached metrics reading (the next call reads the endpoint again)."""
-        self._cache = (0.0, 0)
+        with self._lock:
+            self._cache, self._since = (0.0, 0), 0
 
     def used_bytes(self) -> int:
         measured = self._from_metrics()
         if measured is not None:
-            return min(self.capacity_bytes, measured)
+            # Plus what this process put since the reading (metrics are read at most once
+            # a second; a caller that just put expects to see it).
+            return min(self.capacity_bytes, measured + self._since)
         with self._lock:
             return min(self.capacity_bytes, sum(self._mine.values()))
 
@@ -72,7 +77,7 @@ class PoolUsage:
 
     def _from_metrics(self) -> int | None:
         url = self._find_url()
-        if not url:
+        if not url or not self.client.segment:  # a service whose segment is not known
             return None
         at, value = self._cache
         if time.monotonic() - at < METRICS_MAX_AGE_S:
@@ -85,5 +90,6 @@ class PoolUsage:
         seg = re.escape(self.client.segment)
         m = re.search(rf'^segment_allocated_bytes\{{segment="{seg}"\}} (\S+)', text, re.M)
         value = int(float(m.group(1))) if m else 0
-        self._cache = (time.monotonic(), value)
+        with self._lock:
+            self._cache, self._since = (time.monotonic(), value), 0
         return value

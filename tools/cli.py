@@ -15,6 +15,7 @@ app.add_typer(cli_config.app, name="config")
 app.add_typer(cli_inspect.app, name="inspect")
 app.add_typer(cli_bench.app, name="bench")
 app.command("master")(cli_master.master)
+app.command("pool-service")(cli_master.pool_service)
 app.command("demo")(cli_master.demo)
 app.command("replay")(cli_replay.replay)
 

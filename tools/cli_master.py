@@ -34,6 +34,39 @@ def master(policy: Optional[Path] = POLICY_OPT,
         return
 
 
+def pool_service(policy: Optional[Path] = POLICY_OPT) -> None:
+    """Run the node's pool service for the policy's mooncake tier in the foreground: the
+    segment every kvtier process on this node joins through shared memory (the tier's
+    `service` address). Ctrl-C stops it."""
+    from kvtier.store.errors import MasterError
+    from kvtier.tiers.mooncake_service import PoolService
+
+    pol = load_policy(policy)
+    tier = next((t for t in pol.tiers if t.kind == "mooncake" and t.service), None)
+    if tier is None:
+        raise typer.BadParameter("the policy has no mooncake tier with a `service` address; "
+                                 "set tiers[dram].service: 127.0.0.1:50052", param_hint="policy")
+    console = Console()
+    try:
+        service = PoolService(tier, pol.master).start()
+    except MasterError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from None
+    console.print(f"pool service for tier {tier.name!r} answering on [bold]{service.address}"
+                  f"[/bold], lending {tier.capacity_bytes >> 20} MiB to the master at "
+                  f"{pol.master.address} (log {service.log_path}); Ctrl-C to stop")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        while service.alive():
+            time.sleep(0.5)
+        console.print(f"[red]the pool service exited[/red]; see {service.log_path}")
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        console.print("stopping")
+    finally:
+        service.stop()
+
+
 def demo(instances: int = typer.Option(4, min=1, help="vLLM engine processes"),
          sessions: int = typer.Option(8, min=1, help="agent sessions"),
          turns: int = typer.Option(8, min=1, help="turns per session"),

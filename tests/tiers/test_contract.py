@@ -195,7 +195,10 @@ def test_processes_write_while_this_one_reads(spec, tier):
 
 
 def test_reclaim_races_between_processes_are_misses_never_corruption(spec):
-    small = replace(spec, capacity="8MiB")
+    # Two processes: a shared pool gets what two pools of 8 MiB (16 MiB, Mooncake's least
+    # segment) would hold between them.
+    shared = FACTORIES[spec.factory].shared_by_processes
+    small = replace(spec, capacity="32MiB" if shared else "8MiB")
     procs = [start_worker(small, "churn", keys=64, size=256 * KiB, seconds=3.0, seed=s)
              for s in range(2)]
     results = [finish_worker(p)[-1] for p in procs]

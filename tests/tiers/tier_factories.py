@@ -23,8 +23,10 @@ from kvtier.store.config import (MasterConfig, MooncakeTierConfig, NvmeTierConfi
                                  SharedFSTierConfig)
 from kvtier.store.index import Index
 from kvtier.store.keys import Namespace, id_chain_hashes, make_keys
+from kvtier.store.master import free_port, master_answers
 from kvtier.store.units import parse_size
 from kvtier.tiers import Tier, TierContext, open_tier
+from kvtier.tiers.mooncake_service import PoolService
 from kvtier.tiers.regions import unpack_loc
 from kvtier.tiers.sharedfs_files import block_path
 
@@ -95,11 +97,22 @@ class TierFactory:
     # False where a block lives in the memory of the process that wrote it (the pool: a
     # closed or exited client takes its segment, and the blocks in it, along).
     outlives_writer: bool = True
+    # True: the processes of a node share one pool of `capacity` (a pool service), where
+    # each process of the other factories brings its own.
+    shared_by_processes: bool = False
+    # Called in the test process before a tier or worker opens `spec` (starts what the
+    # tier joins, e.g. a pool service). None: nothing to start.
+    prepare: Callable[[Spec], None] | None = None
 
     def open(self, spec: Spec) -> Tier:
+        if self.prepare is not None:
+            self.prepare(spec)
         index = Index(spec.index_path, map_size_bytes=64 * MiB)
         address = (spec.extra or {}).get("master_address")
-        master = MasterConfig(address=address, embedded=False) if address else MasterConfig()
+        metrics = (spec.extra or {}).get("metrics_port")  # where the master counts usage
+        flags = {"metrics_port": str(metrics)} if metrics else {}
+        master = (MasterConfig(address=address, embedded=False, extra_flags=flags) if address
+                  else MasterConfig())
         tier = open_tier(self.make_config(spec), TierContext(index, spec.node_id, master))
         tier.test_index = index  # type: ignore[attr-defined]
         return tier
@@ -159,7 +172,8 @@ def _sharedfs_raw_write(tier: Tier, key: str, data: bytes) -> None:
 
 
 def _mooncake_config(spec: Spec) -> MooncakeTierConfig:
-    extra = {k: v for k, v in (spec.extra or {}).items() if k != "master_address"}
+    extra = {k: v for k, v in (spec.extra or {}).items()
+             if k not in ("master_address", "metrics_port")}
     # Mooncake's smallest segment is 16 MiB: smaller test capacities round up to it.
     capacity = max(parse_size(spec.capacity), 16 * MiB)
     return MooncakeTierConfig(kind="mooncake", name="dram", capacity=capacity,
@@ -181,9 +195,41 @@ def _mooncake_extra(request) -> dict:
     return {"master_address": request.getfixturevalue("shared_master").address}
 
 
+_SERVICES: dict[str, PoolService] = {}  # pool services this test process started
+
+
+def _service_extra(request) -> dict:
+    """A master and a pool service address of the test's own, stopped when the test ends.
+    (A service never unmounts its segment: Mooncake's client exits on any signal without
+    it, so a shared master would keep the last test's objects until its client TTL.)"""
+    master = request.getfixturevalue("mooncake_master")
+    address = f"127.0.0.1:{free_port()}"
+
+    def stop() -> None:
+        service = _SERVICES.pop(address, None)
+        if service is not None:
+            service.stop()
+    request.addfinalizer(stop)
+    return {"master_address": master.address, "metrics_port": master.metrics_port,
+            "service": address, "service_embedded": False}
+
+
+def _start_service(spec: Spec) -> None:
+    """Start the spec's service, sized by the first spec that opens it (in this process)."""
+    cfg = _mooncake_config(spec)
+    if cfg.service in _SERVICES or master_answers(cfg.service):
+        return  # started here already, or by the test process (we are a worker)
+    master = MasterConfig(address=spec.extra["master_address"], embedded=False)  # no flags
+    _SERVICES[cfg.service] = PoolService(cfg, master).start()
+
+
 FACTORIES: dict[str, TierFactory] = {
     "mooncake": TierFactory(_mooncake_config, _mooncake_raw_read, _mooncake_raw_write,
                             extra_for=_mooncake_extra, outlives_writer=False),
+    # Every process on the node joins one service: a block outlives the process that put it.
+    "mooncake-service": TierFactory(_mooncake_config, _mooncake_raw_read, _mooncake_raw_write,
+                                    extra_for=_service_extra, prepare=_start_service,
+                                    shared_by_processes=True),
     "nvme-uring": TierFactory(_nvme_config("uring"), _nvme_raw_read, _nvme_raw_write),
     "nvme-psync": TierFactory(_nvme_config("psync"), _nvme_raw_read, _nvme_raw_write),
     "sharedfs": TierFactory(_sharedfs_config, _sharedfs_raw_read, _sharedfs_raw_write),
@@ -200,6 +246,9 @@ def start_worker(spec: Spec, action: str, **args) -> subprocess.Popen:
     """Run `tier_worker.py` on `spec` in a new process; it prints JSON lines to stdout."""
     import json
     from dataclasses import asdict
+    prepare = FACTORIES[spec.factory].prepare
+    if prepare is not None:
+        prepare(spec)
     payload = json.dumps({"spec": asdict(spec), "action": action, "args": args})
     return subprocess.Popen([sys.executable, str(WORKER), payload], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
