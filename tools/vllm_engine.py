@@ -3,7 +3,12 @@
 - `make_tiny_model(dir)`: a 2-layer random Llama saved with `save_pretrained` (no download),
   deterministic (seeded), so every process that builds it gets the same weights.
 - `Engine`: a vLLM `LLM` in its own process (`python -m kvtier.connector.engine_host SPEC`),
-  driven by JSON lines; `generate` returns each request's output token ids,
+  driven by JSON lines. `submit` hands it one request at any time, without waiting: the
+  engine runs it alongside the others as they come (continuous batching), and the returned
+  `Future` resolves to a `Completion` (output token ids, cached tokens, the connector's
+  `kv_transfer_params`, time to first token and to the last, measured inside the engine
+  process from the moment it read the request); `on_first` is called at its first token.
+  `generate` runs a batch to its end in one call and returns each request's output token ids,
   `num_cached_tokens` (local prefix hit + tokens loaded by a KV connector), the
   `kv_transfer_params` the connector returned, its time to first token from the batch's
   start (with `engine_args={"disable_log_stats": False}`), and the wall time. By default the engine
@@ -18,21 +23,25 @@
   `random_prompt(seed, n)`: reproducible token ids.
 
 Replies are JSON lines on a pipe of their own (so a chatty engine can never fill it and
-block); everything the engine prints goes to `log_path`. This module imports neither vLLM
-nor torch on the caller's side.
+block), read by one thread per engine that resolves submitted requests as their events come
+and hands every other reply to the command waiting for it; everything the engine prints goes
+to `log_path`. This module imports neither vLLM nor torch on the caller's side.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import queue
 import random
 import subprocess
 import sys
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from kvtier.connector.engine_host import TINY_MODEL, make_tiny_model  # noqa: F401 (re-exported)
 
@@ -81,6 +90,23 @@ class Output:
     ttft_s: float | None = None  # from the batch's start; engines with disable_log_stats=False
 
 
+@dataclass
+class Completion:
+    """A submitted request, done. Times in seconds from when the engine process read it."""
+    id: str
+    token_ids: list[int]
+    num_cached_tokens: int
+    kv_transfer_params: dict | None
+    ttft_s: float               # to the end of the step that produced the first token
+    e2e_s: float                # to the end of the step that produced the last one
+    first_step: int             # the engine's step counter at the first token
+    done_step: int              # ... and at the last
+    added_s: float = 0.0        # waiting for the step in progress to end
+    queued_s: float | None = None   # vLLM: queued to scheduled, KV loads included
+    prefill_s: float | None = None  # vLLM: scheduled to first token
+    preemptions: int | None = None  # (these three with disable_log_stats=False)
+
+
 class EngineError(RuntimeError):
     """The engine process failed; the message ends with the tail of its log."""
 
@@ -113,12 +139,34 @@ class Engine:
         finally:
             os.close(wfd)
         self._replies = os.fdopen(rfd, "rb")
-        self._lock = threading.Lock()
-        self.startup_s = self._read(startup_timeout_s)["startup_s"]
+        self._lock = threading.Lock()        # one command waiting for its reply at a time
+        self._write_lock = threading.Lock()  # whole lines on stdin
+        self._sync: queue.Queue = queue.Queue()
+        self._pending: dict[str, tuple[Future, Callable[[float], None] | None]] = {}
+        self._ids = itertools.count()
+        self._gone: str | None = None        # why the engine can take no more requests
+        self.startup_s = self._read_startup(startup_timeout_s)["startup_s"]
+        threading.Thread(target=self._pump, name=f"engine-{self.proc.pid}", daemon=True).start()
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def submit(self, prompt: list[int], max_tokens: int = 8, kv_params: dict | None = None,
+               on_first: Callable[[float], None] | None = None) -> Future:
+        """Send one greedy request now, without waiting; a `Future` of its `Completion`
+        (or of an `EngineError`). `on_first(ttft_s)` runs on the reader thread at its first
+        token. Requests run concurrently with each other (not with `generate`, which waits
+        for them)."""
+        rid = f"c{next(self._ids)}"
+        fut: Future = Future()
+        with self._write_lock:
+            if self._gone is not None:
+                raise EngineError(self._gone)
+            self._pending[rid] = (fut, on_first)
+            self._write({"op": "submit", "id": rid, "prompt": prompt,
+                         "max_tokens": max_tokens, "kv_params": kv_params})
+        return fut
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8,
                  kv_params: list[dict | None] | None = None, timeout_s: float = 600,
@@ -145,7 +193,6 @@ class Engine:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._replies.close()
         self._log.close()
 
     def __enter__(self) -> "Engine":
@@ -154,31 +201,84 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, cmd: dict, timeout_s: float) -> dict:
-        with self._lock:
-            if self.proc.poll() is not None:
-                raise EngineError(f"engine exited with code {self.proc.returncode}"
-                                  f"{self.log_tail()}")
+    def _write(self, cmd: dict) -> None:
+        if self.proc.poll() is not None:
+            raise EngineError(f"engine exited with code {self.proc.returncode}"
+                              f"{self.log_tail()}")
+        try:
             self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
             self.proc.stdin.flush()
-            return self._read(timeout_s)
+        except BrokenPipeError:
+            raise EngineError(f"engine closed its input{self.log_tail()}") from None
 
-    def _read(self, timeout_s: float) -> dict:
-        """The next reply; fails when the engine exits, and kills it after `timeout_s`."""
+    def _call(self, cmd: dict, timeout_s: float) -> dict:
+        """Send a command and wait for its reply; kills the engine after `timeout_s`."""
+        with self._lock:
+            with self._write_lock:
+                self._write(cmd)
+            try:
+                reply = self._sync.get(timeout=timeout_s)
+            except queue.Empty:
+                self.proc.kill()
+                reply = self._sync.get()  # the reader's end-of-replies, once it is dead
+            return self._checked(reply, timeout_s)
+
+    def _checked(self, reply: dict | None, timeout_s: float) -> dict:
+        if reply is None:
+            self.proc.wait()
+            raise EngineError(f"engine exited with code {self.proc.returncode} (killed after "
+                              f"{timeout_s:.0f}s if it hung){self.log_tail()}")
+        if "error" in reply:
+            raise EngineError(f"engine: {reply['error']}{self.log_tail()}")
+        return reply
+
+    def _read_startup(self, timeout_s: float) -> dict:
         timer = threading.Timer(timeout_s, self.proc.kill)
         timer.start()
         try:
             line = self._replies.readline()
         finally:
             timer.cancel()
-        if not line:
-            self.proc.wait()
-            raise EngineError(f"engine exited with code {self.proc.returncode} (killed after "
-                              f"{timeout_s:.0f}s if it hung){self.log_tail()}")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise EngineError(f"engine: {reply['error']}{self.log_tail()}")
-        return reply
+        return self._checked(json.loads(line) if line else None, timeout_s)
+
+    def _pump(self) -> None:
+        """The reader thread: events resolve submitted requests, other replies go to the
+        command waiting for them; at the end, everything still pending fails."""
+        error = ""
+        try:
+            for line in self._replies:
+                reply = json.loads(line)
+                if "event" in reply:
+                    self._event(reply)
+                else:
+                    error = reply.get("error", "")
+                    self._sync.put(reply)
+        finally:
+            self._replies.close()
+            self._sync.put(None)
+            self._fail_pending(error)
+
+    def _event(self, ev: dict) -> None:
+        kind, rid = ev.pop("event"), ev["id"]
+        if kind == "first":
+            on_first = self._pending.get(rid, (None, None))[1]
+            if on_first is not None:
+                on_first(ev["ttft_s"])
+            return
+        fut, _ = self._pending.pop(rid)
+        if kind == "failed":
+            fut.set_exception(EngineError(f"engine refused request {rid}: {ev['error']}"))
+        else:
+            fut.set_result(Completion(**ev))
+
+    def _fail_pending(self, error: str) -> None:
+        self.proc.wait()
+        with self._write_lock:
+            self._gone = (f"engine exited with code {self.proc.returncode}"
+                          f"{': ' + error if error else ''}{self.log_tail()}")
+            pending, self._pending = self._pending, {}
+        for fut, _ in pending.values():
+            fut.set_exception(EngineError(self._gone))
 
     def log_tail(self, lines: int = 30) -> str:
         try:
