@@ -6,8 +6,10 @@ fresh `mooncake_master` (unless the configuration has no store); `start()` N eng
 each with the same KV cache size (`num_blocks`) and, for store configurations, the kvtier
 connector with its node's policy (own index and nvme dir, one shared dir). It warms each
 engine up with one short prompt nobody else sends, and gives one backend per instance for
-`tools.replay_live`. `close()` stops the engines (the connector finishes queued saves) and
-then the master; `held()` reads, afterwards, what each node's index holds per tier.
+`tools.replay_live`, which submits each request on its own (the engines batch continuously;
+baseline and kvtier configurations take the same path). `close()` stops the engines (the
+connector finishes queued saves) and then the master; `held()` reads, afterwards, what each
+node's index holds per tier.
 
 Requests carry their session as a kvtier hint (`kv_transfer_params`), as an agent framework
 that knows its session ids would send it.
@@ -23,31 +25,31 @@ from kvtier.store.master import EmbeddedMaster, free_port
 from kvtier.tools.replay_cluster import Config, ReplayError, Sizing, node_policy
 from kvtier.tools.replay_plan import VOCAB, Plan
 from kvtier.tools.threads import in_threads
-from kvtier.tools.vllm_engine import Engine, EngineError, kvtier_transfer_config
+from kvtier.tools.vllm_engine import Completion, Engine, EngineError, kvtier_transfer_config
 
 WARMUP_SEED = 987_654_321
 
 
 class VllmBackend:
-    """One engine as a replay backend (see `tools.replay_live`)."""
+    """One engine as a replay backend (see `tools.replay_live`): each request submitted on
+    its own, with its own output length, as a client of `vllm serve` would send it."""
 
     def __init__(self, engine: Engine, plan: Plan, hints: bool):
         self.engine, self.plan, self.hints = engine, plan, hints
 
-    def serve(self, batch: list[int]) -> list[dict]:
-        prompts = [self.plan.prompt(i) for i in batch]
-        max_tokens = max(int(self.plan.output_tokens[i]) for i in batch)
-        params = ([{"kvtier": {"session_id": f"s{int(self.plan.session[i])}"}}
-                   if self.plan.session[i] >= 0 else None for i in batch]
-                  if self.hints else None)
-        outs, _ = self.engine.generate(prompts, max_tokens, params)
-        res = []
-        for o in outs:
-            kv = (o.kv_transfer_params or {}).get("kvtier", {})
-            res.append({"cached": o.num_cached_tokens, "tiers": kv.get("hit_tokens", {}),
-                        "saved_chunks": kv.get("saved_chunks", 0), "ttft_s": o.ttft_s,
-                        "output_tokens": len(o.token_ids)})
-        return res
+    def submit(self, i: int, done) -> None:
+        params = ({"kvtier": {"session_id": f"s{int(self.plan.session[i])}"}}
+                  if self.hints and self.plan.session[i] >= 0 else None)
+        fut = self.engine.submit(self.plan.prompt(i), int(self.plan.output_tokens[i]), params)
+        fut.add_done_callback(lambda f: done(f.exception() or _result(f.result())))
+
+
+def _result(c: Completion) -> dict:
+    kv = (c.kv_transfer_params or {}).get("kvtier", {})
+    return {"cached": c.num_cached_tokens, "tiers": kv.get("hit_tokens", {}),
+            "saved_chunks": kv.get("saved_chunks", 0), "ttft_s": c.ttft_s, "e2e_s": c.e2e_s,
+            "output_tokens": len(c.token_ids), "added_s": c.added_s, "queued_s": c.queued_s,
+            "prefill_s": c.prefill_s, "preemptions": c.preemptions}
 
 
 class VllmCluster:
@@ -96,7 +98,7 @@ class VllmCluster:
             e = Engine(model, self.root / f"engine-n{k}.log", kv_transfer_config=ktc,
                        **self._kw)
             self.engines[k] = e
-            e.generate([_warmup_prompt(k)], 1)
+            e.submit(_warmup_prompt(k), 1).result()  # the path the replay takes
 
         try:
             in_threads([lambda k=k: start(k) for k in range(self.n)])
