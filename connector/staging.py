@@ -26,7 +26,8 @@ PAGE = block.PAGE
 class FrameBuffer:
     """`capacity` frames of `stride` bytes on the host (and its device mirror on CUDA)."""
 
-    def __init__(self, capacity: int, stride: int, device: torch.device):
+    def __init__(self, capacity: int, stride: int, device: torch.device,
+                 alloc: Callable[[int], memoryview] | None = None):
         if stride % PAGE:
             raise ValueError(f"frame stride {stride} is not a multiple of {PAGE}")
         self.capacity = capacity
@@ -37,7 +38,9 @@ class FrameBuffer:
             self._mv = memoryview(self.host.numpy())
             self.device_view = torch.empty(nbytes, dtype=torch.uint8, device=device)
         else:
-            self._mv = block.alloc_aligned(nbytes)
+            # `alloc`: memory a tier moves frames through without a copy (a pool service's
+            # shared memory); it must be page aligned like alloc_aligned's.
+            self._mv = (alloc or block.alloc_aligned)(nbytes)
             self.host = torch.frombuffer(self._mv, dtype=torch.uint8, count=nbytes)
             self.device_view = self.host
 
@@ -71,8 +74,10 @@ class StagingPool:
     """At most `max_buffers` frame buffers, created on first use and reused."""
 
     def __init__(self, capacity: int, stride: int, device: torch.device, max_buffers: int,
-                 on_new: Callable[[FrameBuffer], None] | None = None):
+                 on_new: Callable[[FrameBuffer], None] | None = None,
+                 alloc: Callable[[int], memoryview] | None = None):
         self.capacity = capacity
+        self.alloc = alloc  # host memory for CPU buffers (FrameBuffer's `alloc`)
         self.stride = stride
         self.device = device
         self.max_buffers = max_buffers
@@ -89,7 +94,7 @@ class StagingPool:
             if self._free:
                 return self._free.pop()
             self._created += 1
-        buf = FrameBuffer(self.capacity, self.stride, self.device)
+        buf = FrameBuffer(self.capacity, self.stride, self.device, self.alloc)
         if self.on_new is not None:
             self.on_new(buf)
         return buf

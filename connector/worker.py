@@ -71,14 +71,32 @@ class WorkerSide:
         stride = block.frame_size(self.payload_len, block.PAGE)
         per_buffer = max(1, self.cfg.staging_buffer_bytes // stride)
         device = self.paged.device
+        alloc = self._shared_alloc()
         self.save_pool = StagingPool(per_buffer, stride, device, self.cfg.staging_buffers,
-                                     self._register)
-        load_pool = StagingPool(per_buffer, stride, device, 1, self._register)  # I/O thread
+                                     self._register, alloc)
+        load_pool = StagingPool(per_buffer, stride, device, 1, self._register, alloc)  # I/O
         self.io = IOThread(self.store, self.paged, load_pool, self.save_pool, self.m,
                            self.payload_len, self.stats, self.stats_lock)
         log.info("kvtier: %s KV layout%s, %d layers, %d-byte chunks, namespace %s",
                  self.paged.info.kind, " (fused)" if self.paged.info.fused else "",
                  self.paged.info.num_layers, self.payload_len, self.fingerprint)
+
+    def _shared_alloc(self):
+        """The first tier's allocator of memory it moves frames through without a copy (a
+        Mooncake pool service can only reach memory shared with it), or None."""
+        for tier in getattr(self.store, "tiers", ()):
+            alloc = getattr(tier, "alloc_shared", None)
+            if alloc is None:
+                continue
+
+            def shared_or_private(nbytes: int, alloc=alloc, name=tier.name) -> memoryview:
+                try:
+                    return alloc(nbytes)
+                except KVTierError as e:  # still works, through the tier's own staging copy
+                    log.warning("kvtier: staging buffer not shared with tier %s: %s", name, e)
+                    return block.alloc_aligned(nbytes)
+            return shared_or_private
+        return None
 
     def _register(self, buf: FrameBuffer) -> None:
         """Let tiers that can (Mooncake) move frames straight to and from this buffer."""

@@ -209,9 +209,8 @@ class MooncakeClient:
         """This client's segment; with a service, the service's (empty when unknown)."""
         if not self.cfg.service:
             return store.get_hostname()
-        from kvtier.tiers.mooncake_service import service_log, service_segment
-        owned = self.owned_service
-        return service_segment(owned.log_path if owned else service_log(self.cfg)) or ""
+        from kvtier.tiers.mooncake_service import read_segment
+        return read_segment(self.cfg.service)
 
     def _replicate_config(self) -> Any:
         """Replication and soft pin from the policy, on whatever this API version offers."""

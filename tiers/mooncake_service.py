@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import os
 import re
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,11 +92,23 @@ class PoolService:
                                   f"see {self.log_path} (is the master at "
                                   f"{self.master.address} up?)")
             if master_answers(self.address, 0.2):
+                self._publish_segment()
                 return self
             time.sleep(0.02)
         self.stop()
         raise MasterError(f"the pool service did not answer on {self.address} within "
                           f"{START_TIMEOUT_S:.0f}s; see {self.log_path}")
+
+    def _publish_segment(self) -> None:
+        """Write the segment's name where every process on the node finds it by port."""
+        segment = service_segment(self.log_path)
+        if segment is None:
+            return  # an unknown log format: clients place without preferring it
+        path = segment_file(self.address)
+        tmp = path.with_name(path.name + f".{os.getpid()}")
+        with private_file(tmp, "w") as f:
+            f.write(segment)
+        os.replace(tmp, path)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -130,6 +144,20 @@ class PoolService:
 def service_log(cfg: MooncakeTierConfig, home: Path | None = None) -> Path:
     """Where a kvtier-started service for `cfg.service` writes its log on this node."""
     return (home or kvtier_home()) / f"pool-{cfg.service.rsplit(':', 1)[1]}.log"
+
+
+def segment_file(address: str) -> Path:
+    """Where the service on `address` names its segment (one per port on a machine)."""
+    return Path(tempfile.gettempdir()) / f"kvtier-pool-{address.replace(':', '-')}.segment"
+
+
+def read_segment(address: str) -> str:
+    """The segment of the service on `address` as its starter published it, or "" if none
+    did (a service started by hand): clients then place objects without preferring it."""
+    try:
+        return segment_file(address).read_text().strip()
+    except OSError:
+        return ""
 
 
 def service_segment(log_path: Path) -> str | None:

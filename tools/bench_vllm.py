@@ -45,6 +45,9 @@ class BenchSpec:
     block_size: int = 32
     dtype: str = "bfloat16"
     inproc: bool = True
+    # "service": both engines join one pool service (the node's segment, shared memory);
+    # "embedded": each engine lends its own segment and reads the other's over TCP.
+    pool: str = "service"
 
 
 @dataclass
@@ -63,14 +66,18 @@ class Result:
         return min(v) * 1e3 if v else None
 
 
-def node_policy(root: Path, node: str, master: str, spec: BenchSpec) -> dict:
+def node_policy(root: Path, node: str, master: str, spec: BenchSpec,
+                service: str | None = None) -> dict:
+    dram = {"name": "dram", "kind": "mooncake", "capacity": "1GiB", "buffer": "128MiB",
+            "staging": "128MiB"}
+    if service:
+        dram |= {"capacity": "2GiB", "service": service, "service_embedded": False}
     return {"namespace": {"model": "tiny-llama"}, "chunk_tokens": spec.chunk_tokens,
             "index": {"path": str(root / node / "index"), "map_size": "256MiB"},
             "master": {"address": master, "embedded": False},
             "admission": {"kind": "always"}, "mover": {"promote_on_hit": False},
             "tiers": [
-                {"name": "dram", "kind": "mooncake", "capacity": "1GiB", "buffer": "128MiB",
-                 "staging": "128MiB"},
+                dram,
                 {"name": "nvme", "kind": "nvme", "path": str(root / node / "nvme"),
                  "capacity": "4GiB"},
                 {"name": "shared", "kind": "sharedfs", "path": str(root / "shared"),
@@ -83,11 +90,22 @@ class Bench:
         self.model = make_tiny_model(root / "model")
         self.master_cfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
         self.master = EmbeddedMaster(self.master_cfg, log_path=root / "master.log").start()
+        self.service = None
+        if spec.pool == "service":
+            from kvtier.store.config import policy_from_dict
+            from kvtier.tiers.mooncake_service import PoolService
+            address = f"127.0.0.1:{free_port()}"
+            dram = policy_from_dict(node_policy(root, "a", self.master_cfg.address, spec,
+                                                address)).tiers[0]
+            self.service = PoolService(dram, self.master_cfg).start()
+        elif spec.pool != "embedded":
+            raise ValueError(f"pool must be 'service' or 'embedded', not {spec.pool!r}")
         self.engines: dict[str, Engine] = {}
         self.seed = 0
 
     def policy(self, node: str) -> dict:
-        return node_policy(self.root, node, self.master_cfg.address, self.spec)
+        return node_policy(self.root, node, self.master_cfg.address, self.spec,
+                           self.service.address if self.service else None)
 
     def start(self) -> None:
         for node in ("a", "b"):
@@ -158,6 +176,8 @@ class Bench:
     def close(self) -> None:
         for engine in self.engines.values():
             engine.close()
+        if self.service is not None:
+            self.service.stop()
         self.master.stop()
 
 

@@ -21,6 +21,9 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
          dtype: str = typer.Option("bfloat16", help="engine dtype (bfloat16, float32)"),
          multiproc: bool = typer.Option(False, "--multiproc", help="vLLM's multi-process "
                                         "engine (scheduler and worker apart; slow start)"),
+         pool: str = typer.Option("service", help="service: both engines join one pool "
+                                  "service (shared memory); embedded: each lends its own "
+                                  "segment, the other reads it over TCP"),
          dir: Optional[Path] = typer.Option(None, "--dir", help="keep the model, tiers and "
                                             "logs here (default: a temp dir)"),
          json_out: Optional[Path] = typer.Option(None, "--json", help="write the numbers here"),
@@ -29,13 +32,13 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
     from kvtier.tools.bench_vllm import BenchSpec, run_bench
 
     spec = BenchSpec(sizes=tuple(int(s) for s in sizes.split(",")), repeats=repeats,
-                     chunk_tokens=chunk_tokens, dtype=dtype, inproc=not multiproc)
+                     chunk_tokens=chunk_tokens, dtype=dtype, inproc=not multiproc, pool=pool)
     console = Console(width=max(110, Console().width))
     with console.status("kvtier bench vllm") as status:
         doc = run_bench(spec, dir, progress=lambda msg: status.update(f"bench vllm: {msg}"))
     for stat in ("median", "min"):
         render(console, doc, stat, f"kvtier bench vllm: TTFT in ms ({stat} of {repeats}), "
-                                   f"tiny Llama {dtype}, chunk {chunk_tokens}")
+                                   f"tiny Llama {dtype}, chunk {chunk_tokens}, pool {pool}")
     for t in doc["targets"]:
         mark = "[green]ok[/]" if t["ok"] else "[red]MISSED[/]"
         console.print(f"  {t['size']:>6} tokens, {t['stat']:>6}: {t['what']}: {t['value']} "

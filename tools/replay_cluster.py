@@ -83,14 +83,20 @@ class Sizing:
 
 def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
                 chunk_tokens: int, eviction: str, admission: str,
-                tiers_root: Path | None = None) -> dict:
+                tiers_root: Path | None = None, service: str | None = None) -> dict:
     """The inline policy of one instance (`node`) of configuration `cfg`; its index lives
-    under `root`, its nvme dir and the shared dir under `tiers_root` (default `root`)."""
+    under `root`, its nvme dir and the shared dir under `tiers_root` (default `root`).
+    `service`: the instances join the pool service there (one segment holding the whole
+    pool, shared memory), instead of each lending its share."""
     ws = sizing.working_set_bytes
     disk = tiers_root or root
-    tiers = [{"name": "dram", "kind": "mooncake",
-              "capacity": sizing.segment_bytes(cfg.dram_frac), "buffer": "32MiB",
-              "staging": "32MiB"}]
+    dram = {"name": "dram", "kind": "mooncake",
+            "capacity": sizing.segment_bytes(cfg.dram_frac), "buffer": "32MiB",
+            "staging": "32MiB"}
+    if service:
+        dram |= {"capacity": dram["capacity"] * sizing.instances, "service": service,
+                 "service_embedded": False}
+    tiers = [dram]
     if cfg.kind == "kvtier":
         tiers += [{"name": "nvme", "kind": "nvme", "path": str(disk / node / "nvme"),
                    "capacity": max(64 << 20, _round_up(2 * ws, 4 << 20)),

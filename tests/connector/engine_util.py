@@ -105,6 +105,10 @@ class Engines:
                                          kv_transfer_config=kv_transfer_config, **kw)
         return self._engines[name]
 
+    def stop(self, name: str) -> None:
+        """Close engine `name` (its connector finishes queued saves first)."""
+        self._engines.pop(name).close()
+
     def baseline(self, prompt: list[int], max_tokens: int) -> Output:
         """The output of an engine without any connector (cached per prompt)."""
         key = (tuple(prompt), max_tokens)

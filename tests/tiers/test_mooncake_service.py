@@ -21,7 +21,8 @@ from kvtier.store.index import Index
 from kvtier.store.keys import Namespace
 from kvtier.store.master import free_port, master_answers
 from kvtier.tiers import MISS, TierContext, open_tier
-from kvtier.tiers.mooncake_service import PoolService, service_log, service_segment
+from kvtier.tiers.mooncake_service import (PoolService, read_segment, service_log,
+                                          service_segment)
 
 NS = Namespace(model="kvtier-test-pool-service").fingerprint()
 
@@ -61,7 +62,7 @@ def test_first_tier_starts_the_service_and_the_next_joins_it(tmp_path, mooncake_
         assert b.get(keys, outs) == [100_000] * 4 and outs == frames
         # Puts land in the service's segment, which the master counts and the tier reports.
         segment = service_segment(service_log(a.cfg))
-        assert segment and a.client.segment == segment
+        assert segment and a.client.segment == segment == read_segment(address)
         text = urllib.request.urlopen(mooncake_master.metrics_url, timeout=5).read().decode()
         used = re.search(rf'segment_allocated_bytes\{{segment="{re.escape(segment)}"\}} (\S+)',
                          text)
