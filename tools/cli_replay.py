@@ -113,6 +113,8 @@ def replay(
     max_batch: int = typer.Option(8, min=1, help="vllm: requests per engine call"),
     side_by_side: bool = typer.Option(False, help="vllm: run the configurations at the same "
                                       "time (background load hits each alike)"),
+    pool: str = typer.Option("service", help="vllm: service (the engines join one pool "
+                             "service, shared memory) | embedded (each lends a segment, TCP)"),
     dtype: str = typer.Option("bfloat16", help="engines: KV dtype (bfloat16 | float32)"),
     eviction: str = typer.Option("lru", help="engines: kvtier eviction policy (kvtier's default)"),
     admission: str = typer.Option("reuse", help="engines: kvtier admission (reuse | always)"),
@@ -152,7 +154,7 @@ def replay(
             baselines=tuple(b for b in baselines.split(",") if b.strip()),
             kv_ratio=kv_ratio, kv_tokens=kv_tokens, max_output=max_output,
             max_context=max_context, max_batch=max_batch, side_by_side=side_by_side,
-            dtype=dtype, eviction=eviction,
+            pool=pool, dtype=dtype, eviction=eviction,
             admission=admission, seed=seed, traces=traces, out=out,
             calibration=calibration), json_out, plots)
         return

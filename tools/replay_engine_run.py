@@ -56,6 +56,7 @@ class EngineSpec:
     max_context: int = 16_384
     max_batch: int = 8
     side_by_side: bool = False      # vllm: run the configurations at the same time
+    pool: str = "service"           # vllm: the engines join one pool service | each lends
     dtype: str = "bfloat16"
     eviction: str = "lru"
     admission: str = "reuse"

@@ -3,9 +3,8 @@
 `run_config(ctx, cfg, root, ui) -> (records, extra)`: `records` as `tools.replay_metrics`
 reads them; `extra` carries `tier_names` (the kvtier tiers, fastest first) and what the
 tiers hold at the end (`held`, per tier): for real engines, what the nodes' indexes hold once
-the engines exited (the pool's blocks live in the engines' segments and leave with them, so
-only nvme and shared remain); for simulated instances, bytes held and written before they
-close. `vllm` replays in real time against real engines (`tools.replay_vllm` +
+the engines exited (nvme and shared: an index records no pool blocks, the master does); for
+simulated instances, bytes held and written before they close. `vllm` replays in real time against real engines (`tools.replay_vllm` +
 `tools.replay_live`); `sim` in virtual time against simulated instances over a real store
 (`tools.replay_sim`), with the calibrated model.
 
@@ -89,7 +88,7 @@ def _vllm_cluster(ctx: RunCtx, cfg: Config, root: Path, ui, clusters: int = 1):
                        chunk_tokens=spec.chunk_tokens, block_size=32,
                        num_blocks=ctx.kv_tok // 32 + 1, max_model_len=ctx.max_len,
                        dtype=spec.dtype, eviction=spec.eviction, admission=spec.admission,
-                       engines_alongside=clusters, say=ui.say)
+                       engines_alongside=clusters, pool=spec.pool, say=ui.say)
 
 
 def _replay_vllm(ctx: RunCtx, cfg: Config, cluster, ui, update) -> list[dict]:

@@ -1,7 +1,9 @@
 """Real engines for `kvtier replay --engine vllm`: N vLLM processes on one kvtier cluster.
 
 `VllmCluster(root, cfg, ...)` starts, for one configuration (`tools.replay_cluster`), a
-fresh `mooncake_master` (unless the configuration has no store); `start()` N engine processes
+fresh `mooncake_master` and (with `pool="service"`, the default) the node's pool service
+holding the whole pool, which the engines join through shared memory (unless the
+configuration has no store); `start()` N engine processes
 (`tools.vllm_engine.Engine`: the tiny random model, one process each, started in parallel),
 each with the same KV cache size (`num_blocks`) and, for store configurations, the kvtier
 connector with its node's policy (own index and nvme dir, one shared dir). It warms each
@@ -56,17 +58,21 @@ class VllmCluster:
     def __init__(self, root: Path, cfg: Config, n: int, model: Path, sizing: Sizing, *,
                  chunk_tokens: int, block_size: int, num_blocks: int, max_model_len: int,
                  dtype: str, eviction: str, admission: str, engines_alongside: int = 1,
-                 say=print):
+                 pool: str = "service", say=print):
         self.root, self.cfg, self.n = root, cfg, n
         self.master: EmbeddedMaster | None = None
+        self.service = None
         self.engines: list[Engine | None] = [None] * n
         self.policies: list[dict | None] = [None] * n
         root.mkdir(parents=True, exist_ok=True)
         if cfg.uses_store:
             mcfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
             self.master = EmbeddedMaster(mcfg, log_path=root / "master.log").start()
+            service = self._start_service(pool, root, mcfg, cfg, sizing, chunk_tokens,
+                                          eviction, admission)
             self.policies = [node_policy(root, f"n{k}", mcfg.address, cfg, sizing,
-                                         chunk_tokens, eviction, admission) for k in range(n)]
+                                         chunk_tokens, eviction, admission, service=service)
+                             for k in range(n)]
         # One OpenMP team per engine sized to its share of the cores: the in-process engine
         # does not bind threads, so N engines of (cores) spinning threads each oversubscribe
         # the machine (4 engines on 2 cores spent ~200 ms a decode step), where production
@@ -77,6 +83,23 @@ class VllmCluster:
                         env={"OMP_NUM_THREADS": str(threads)},
                         engine_args={"disable_log_stats": False})
         self.model, self.say = model, say
+
+    def _start_service(self, pool: str, root: Path, mcfg: MasterConfig, cfg: Config,
+                       sizing: Sizing, *policy_args) -> str | None:
+        """With `pool="service"`, start the node's pool service, holding the whole pool (the
+        N engines' shares), on this thread; return its address."""
+        if pool == "embedded":
+            return None
+        if pool != "service":
+            raise ReplayError(f"--pool must be service or embedded, not {pool!r}")
+        from kvtier.store.config import policy_from_dict
+        from kvtier.tiers.mooncake_service import PoolService
+        address = f"127.0.0.1:{free_port()}"
+        probe = node_policy(root, "service", mcfg.address, cfg, sizing, *policy_args,
+                            service=address)
+        dram = policy_from_dict(probe).tiers[0]
+        self.service = PoolService(dram, mcfg, log_path=root / "pool-service.log").start()
+        return address
 
     def start(self) -> "VllmCluster":
         """Start the engines (in parallel); any thread may call it, the master already runs
@@ -135,6 +158,9 @@ class VllmCluster:
                 except (EngineError, OSError):
                     pass  # the engine log has the story; keep closing the others
         self.engines = [None] * self.n
+        if self.service is not None:
+            self.service.stop()
+            self.service = None
         if self.master is not None:
             self.master.stop()
             self.master = None

@@ -69,7 +69,7 @@ def test_vllm_two_engines_round_robin_kvtier_beats_their_own_prefix_caches(tmp_p
     assert kv["requests"] == local["requests"] == 9
     assert kv["hit_rate"] >= local["hit_rate"] + 10
     assert kv["hit_by_tier"]["dram"] > 0     # turns moved between engines found the pool
-    # what the nodes' indexes hold once the engines are gone: the pool left with them (its
-    # blocks live in the engines' segments), the shared dir keeps every persisted block
+    # what the nodes' indexes hold once the engines are gone: the shared dir keeps every
+    # persisted block; the indexes keep no record of pool blocks (the master has them)
     held = report["runs"][0]["configs"]["kvtier"]["held"]
     assert held["shared"]["blocks"] > 0 and "dram" not in held
