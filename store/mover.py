@@ -6,6 +6,12 @@ mover's own aligned arena (bounded by `mover.buffer`), written to the destinatio
 is two-phase in the index), and only then may the source copy be dropped: a crash at any
 point leaves each block in at least one tier. Lookups and loads never wait for the mover;
 `make_room` is the one synchronous step, run by `save` before writing to the first tier.
+
+A persist normally reads its blocks back from the tier they were saved to (the pool). When
+that tier may drop them first (`PersistRisk`: it is full and the queue ahead is deep, or a
+copy down has just found a block gone), and for blocks it refused, `persist` keeps copies
+of the saved frames in a `FrameHold` (bounded by `mover.buffer` too) and the copies go
+down from there: the source is not read back.
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ from typing import Sequence
 
 from kvtier.store import block
 from kvtier.store.errors import TierError, TierFullError, TierUnavailableError
+from kvtier.store.frame_hold import FrameHold, PersistRisk
 from kvtier.tiers import MISS, Tier
 
 log = logging.getLogger(__name__)
 REAP_EVERY_S = 5.0
 NODE_LOCAL_KINDS = frozenset({"nvme"})
+HOLD_IDLE_S = 60.0  # unmap the hold's recycled slabs after this long without a hold
 
 
 class Mover:
@@ -38,6 +46,8 @@ class Mover:
         self.cfg = store.policy.mover
         self._queue: collections.deque = collections.deque()
         self._queued = 0
+        self.hold = FrameHold(self.cfg.buffer_bytes)
+        self.risk = PersistRisk(self.cfg.low_watermark)
         self._cv = threading.Condition()
         self._stop = False
         self._arena: memoryview | None = None
@@ -52,26 +62,59 @@ class Mover:
 
     # ---- requests (any thread) ----------------------------------------------------------
 
-    def persist(self, keys: Sequence[str], src: str, hint=None) -> None:
-        """Copy `keys` from `src` to the capacity tiers that admit them (in the background)."""
-        self._enqueue("persist", keys, src)
+    def persist(self, keys: Sequence[str], src: str, hint=None,
+                frames: dict[str, memoryview] | None = None, refused: Sequence[str] = ()
+                ) -> None:
+        """Copy `keys` from `src` to the capacity tiers that admit them (in the background).
+
+        `frames`: sealed frames of the blocks just written to `src`, by key, valid during
+        this call only. If `src` may drop them before the mover reads them back, they are
+        copied into the hold and the persist writes from the copies. `refused`: keys of
+        `frames` that `src` did not store (full): held and persisted whatever the risk."""
+        if src == self.store.tiers[-1].name:
+            return
+        frames = frames or {}
+        written = [k for k in keys if k in frames]
+        copy = [k for k in refused if k in frames]
+        keys = [*keys, *copy]
+        if not keys:
+            return
+        place = self.store.placement
+        nbytes = sum(len(frames[k]) if k in frames else place.frame_bytes(k) for k in keys)
+        if written and self.risk.at_risk(self.store.by_name[src], nbytes):
+            copy += written
+        held = self.hold.hold(copy, [frames[k] for k in copy]) if copy else []
+        if copy:
+            self.stats["held"] += len(held)
+            self.stats[f"unheld_{src}"] += len(copy) - len(self.hold.frames(copy))
+        if not self._enqueue("persist", keys, src, nbytes, held):
+            self._release(held)
 
     def promote(self, keys: Sequence[str], src: str) -> None:
         """Copy `keys` from `src` up to the first tier (promotion on hit, prefetch)."""
         if self.cfg.promote_on_hit:
             self._enqueue("promote", keys, src)
 
-    def _enqueue(self, kind: str, keys: Sequence[str], src: str) -> None:
+    def _enqueue(self, kind: str, keys: Sequence[str], src: str, nbytes: int = 0,
+                 held: Sequence[str] = ()) -> bool:
         if not keys:
-            return
+            return True
         with self._cv:
             if self._queued + len(keys) > self.cfg.queue_blocks:
                 # Bounded memory: a dropped persist leaves the block in the pool only.
                 self.stats[f"{kind}_dropped"] += len(keys)
-                return
-            self._queue.append((kind, list(keys), src))
+                return False
+            self._queue.append((kind, list(keys), src, nbytes, list(held)))
             self._queued += len(keys)
             self._cv.notify()
+        self.risk.backlog(nbytes)
+        return True
+
+    def _release(self, held: Sequence[str]) -> None:
+        """Drop held copies; under the I/O lock, as no copy may be reading them then."""
+        if held:
+            with self._io_lock:
+                self.hold.release(held)
 
     def pending(self) -> int:
         """Blocks queued or being moved right now."""
@@ -116,7 +159,7 @@ class Mover:
             with self._cv:
                 if not self._queue:
                     return
-                kind, keys, src = self._queue.popleft()
+                kind, keys, src, nbytes, held = self._queue.popleft()
             try:
                 for i in range(0, len(keys), self.cfg.batch_blocks):
                     batch = keys[i:i + self.cfg.batch_blocks]
@@ -125,6 +168,8 @@ class Mover:
                     else:
                         self._promote(batch, src)
             finally:
+                self._release(held)  # copied or failed: the pool's copy is what is left
+                self.risk.backlog(-nbytes)
                 with self._cv:
                     self._queued -= len(keys)  # counted until done, so pending() is exact
 
@@ -141,6 +186,7 @@ class Mover:
         if now - self._last_reap >= REAP_EVERY_S:
             self._last_reap = now
             self.reclaim(placement.reap())
+            self.hold.trim(HOLD_IDLE_S)
             self.store.save_counters()
 
     def reclaim(self, keys: list[str]) -> int:
@@ -188,8 +234,9 @@ class Mover:
         return self.fan_out(src, {dst: keys}).get(dst.name, [])
 
     def fan_out(self, src: Tier, plan: dict[Tier, list[str]]) -> dict[str, list[str]]:
-        """Read each block of `plan` from `src` once and write it to every tier that wants it
-        and does not hold it yet; return the keys copied, by destination tier name."""
+        """Read each block of `plan` from `src` once (or take its held copy) and write it to
+        every tier that wants it and does not hold it yet; return the keys copied, by
+        destination tier name."""
         plan = {dst: [k for k, held in zip(keys, dst.contains(keys)) if not held]
                 for dst, keys in plan.items() if keys}
         wanted = list(dict.fromkeys(k for keys in plan.values() for k in keys))
@@ -197,10 +244,10 @@ class Mover:
             return {}
         copied: dict[str, list[str]] = {}
         with self._io_lock:
-            outs = self._frames([self.store.placement.frame_bytes(k) for k in wanted])
-            got = src.get(wanted, outs)
-            frames = {k: out[:block.HEADER_SIZE + n] for k, out, n in zip(wanted, outs, got)
-                      if n != MISS}
+            frames = self.hold.frames(wanted)
+            from_hold = set(frames)
+            frames.update(self._read(src, [k for k in wanted if k not in from_hold],
+                                     down=self._is_below(src, plan)))
             for dst, keys in plan.items():
                 ready = [k for k in keys if k in frames]
                 if ready:
@@ -211,7 +258,34 @@ class Mover:
             done = copied.get(dst.name, [])
             self.store.placement.on_insert(dst, done, [len(frames[k]) for k in done], None)
             self.stats[f"copied_{src.name}_{dst.name}"] += len(done)
+            self.stats[f"from_frames_{dst.name}"] += sum(k in from_hold for k in done)
         return copied
+
+    def _read(self, src: Tier, keys: list[str], down: bool) -> dict[str, memoryview]:
+        """`keys` read from `src` into the arena (the I/O lock held), by key; misses left
+        out. A block gone while waiting to be copied down is lost to the tiers below."""
+        if not keys:
+            return {}
+        outs = self._frames([self.store.placement.frame_bytes(k) for k in keys])
+        got = src.get(keys, outs)
+        missed = got.count(MISS)
+        if down and missed:
+            self.stats[f"persist_misses_{src.name}"] += missed
+            self.risk.missed()
+        return {k: out[:block.HEADER_SIZE + n] for k, out, n in zip(keys, outs, got)
+                if n != MISS}
+
+    def _is_below(self, src: Tier, plan: dict[Tier, list[str]]) -> bool:
+        tiers = self.store.tiers
+        return any(tiers.index(dst) > tiers.index(src) for dst in plan)
+
+    def tier_counters(self, name: str) -> dict[str, int]:
+        """The mover's counters of tier `name`: `persist_misses` (blocks gone from it when
+        the mover came to copy them down: persists and demotions), `from_frames` (blocks
+        written to it from held copies of saved frames, not read back from the pool) and
+        `unheld` (blocks saved to it at risk that the full hold could not copy)."""
+        return {k: self.stats[f"{k}_{name}"] for k in ("persist_misses", "from_frames",
+                                                        "unheld")}
 
     def _put(self, src: Tier, dst: Tier, keys: list[str], frames: list[memoryview]
              ) -> list[str]:

@@ -8,7 +8,8 @@ Primitives (batched; a miss is a value):
   payload length or `MISS`. A hit below the first tier may schedule a promotion.
 - `save(keys, frames, hint) -> list[bool]`: write-through to the first tier that answers,
   deduplicated by key; the mover then persists admitted blocks to the capacity tiers in the
-  background. No tier failure reaches the caller: an unreachable tier is skipped.
+  background (from copies of the frames when that tier may drop them first, see
+  `store.mover`). No tier failure reaches the caller: an unreachable tier is skipped.
 - `finish(keys, hint)`: a request ended (the end of a session's turn).
 
 Callers guarantee what the tier contract asks (sealed frames, big enough out buffers); a
@@ -150,16 +151,22 @@ class TieredStore:
         present = first.contains(keys)
         new = [i for i, p in enumerate(present) if not p]
         stored = list(present)
+        fresh: dict[str, memoryview] = {}  # the frames of blocks new to `first`, for the mover
+        refused: list[str] = []
         if new:
             self.mover.make_room(first, sum(len(frames[i]) for i in new))
             # TierUnavailableError goes up: save() hands the batch to the next tier
             ok = self.mover.put(first, [keys[i] for i in new], [frames[i] for i in new])
             for i, good in zip(new, ok):
                 stored[i] = good
+            fresh = {keys[i]: frames[i] for i in new}
             put = [keys[i] for i, good in zip(new, ok) if good]
-            self.placement.on_insert(first, put, [len(frames[i]) for i, g in zip(new, ok) if g],
-                                     hint)
-        self.mover.persist([k for k, s in zip(keys, stored) if s], first.name, hint)
+            self.placement.on_insert(first, put, [len(fresh[k]) for k in put], hint)
+            refused = [keys[i] for i, good in zip(new, ok) if not good]
+        # Refused blocks (a full pool) go down from copies of their frames: False still
+        # tells the caller they are not stored yet.
+        self.mover.persist([k for k, s in zip(keys, stored) if s], first.name, hint, fresh,
+                           refused)
         return stored
 
     def finish(self, keys: Sequence[str], hint: SessionHint | None = None) -> None:
@@ -169,9 +176,10 @@ class TieredStore:
     # ---- housekeeping -------------------------------------------------------------------
 
     def usage(self) -> dict[str, dict[str, int]]:
-        """Capacity, used bytes and counters of every tier."""
+        """Capacity, used bytes and counters of every tier (the mover's among them)."""
         return {t.name: {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes(),
-                         **t.counters()} for t in self.tiers}
+                         **t.counters(), **self.mover.tier_counters(t.name)}
+                for t in self.tiers}
 
     def save_counters(self) -> None:
         """Record this process's tier counters in the index (for `kvtier inspect`)."""
