@@ -14,7 +14,8 @@ request `i` without waiting, and `done` is called once, from any thread, with a 
 `cached` (tokens served from any cache), `tiers` ({tier: tokens loaded from kvtier}),
 `saved_chunks`, `ttft_s` and `e2e_s` (from the request reaching the engine), `output_tokens`,
 and optionally `added_s`, `queued_s`, `prefill_s` (where the engine's time went, copied to
-the record) -- or with the exception that failed it, which stops the replay. Record times
+the record) -- or with the exception that failed it, which stops the replay (as does a
+request still in flight after `REQUEST_TIMEOUT_S`). Record times
 are seconds since the replay started: `start` when the request was handed to the engine,
 `end` when its response came back, `ttft = (start - sent) + ttft_s`, `e2e = end - sent`.
 """
@@ -30,6 +31,7 @@ from typing import Callable, Sequence
 from kvtier.tools.replay_plan import Plan
 
 DETAIL = ("added_s", "queued_s", "prefill_s", "preemptions")  # engine-side breakdown, if any
+REQUEST_TIMEOUT_S = 600.0  # a request in flight longer than this stops the replay (a hung engine)
 
 
 class _Instance:
@@ -39,6 +41,7 @@ class _Instance:
         self.idx, self.backend, self.max_inflight = idx, backend, max_inflight
         self.waiting: deque = deque()
         self.inflight = 0
+        self.since: dict[int, float] = {}  # request -> when it was handed to the engine
 
     @property
     def load(self) -> int:  # queued + in service (what the router balances)
@@ -49,7 +52,7 @@ class _Instance:
         while self.waiting and self.inflight < self.max_inflight:
             i, sent = self.waiting.popleft()
             self.inflight += 1
-            start = time.monotonic() - t0
+            start = self.since[i] = time.monotonic() - t0
 
             def finished(res, i=i, sent=sent, start=start) -> None:
                 end = time.monotonic() - t0
@@ -79,6 +82,7 @@ def run_live(plan: Plan, backends: Sequence, router, speed: float = 1.0,
             inst = insts[router.pick(int(plan.session[i]), [x.load for x in insts])]
             inst.waiting.append((i, time.monotonic() - t0))
             inst.dispatch(done, t0)
+        _check_hung(insts, now)
         wait = max(0.0, due[0][0] - now) if due else 1.0
         try:
             kind, k, payload = done.get(timeout=min(wait, 1.0))
@@ -87,6 +91,7 @@ def run_live(plan: Plan, backends: Sequence, router, speed: float = 1.0,
         if kind == "error":
             raise payload
         insts[k].inflight -= 1
+        del insts[k].since[payload[0]]
         insts[k].dispatch(done, t0)
         i, rec = _record(plan, k, payload)
         records[i] = rec
@@ -97,6 +102,14 @@ def run_live(plan: Plan, backends: Sequence, router, speed: float = 1.0,
         if progress:
             progress(finished)
     return records  # type: ignore[return-value]
+
+
+def _check_hung(insts: list[_Instance], now: float) -> None:
+    for inst in insts:
+        for i, start in inst.since.items():
+            if now - start > REQUEST_TIMEOUT_S:
+                raise TimeoutError(f"request {i} has been on instance {inst.idx} for "
+                                   f"{now - start:.0f} s (a hung engine? see its log)")
 
 
 def _record(plan: Plan, k: int, payload) -> tuple[int, dict]:

@@ -121,7 +121,7 @@ class VllmCluster:
             e = Engine(model, self.root / f"engine-n{k}.log", kv_transfer_config=ktc,
                        **self._kw)
             self.engines[k] = e
-            e.submit(_warmup_prompt(k), 1).result()  # the path the replay takes
+            e.submit(_warmup_prompt(k), 1).result(600)  # the path the replay takes
 
         try:
             in_threads([lambda k=k: start(k) for k in range(self.n)])

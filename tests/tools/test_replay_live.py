@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from kvtier.tools.replay_engine_run import EngineSpec, build_plan
+from kvtier.tools import replay_live
 from kvtier.tools.replay_live import run_live
 from kvtier.tools.replay_router import make_router
 
@@ -75,3 +76,14 @@ def test_a_failed_request_stops_the_replay_with_its_error(plan):
     with pytest.raises(RuntimeError, match="engine died"):
         run_live(plan, [Scripted(fail_at=1), Scripted(fail_at=1)],
                  make_router("round-robin", 2), speed=1000)
+
+
+class Hung:
+    def submit(self, i: int, done) -> None:
+        pass  # never answers
+
+
+def test_a_request_that_never_ends_stops_the_replay(plan, monkeypatch):
+    monkeypatch.setattr(replay_live, "REQUEST_TIMEOUT_S", 0.5)
+    with pytest.raises(TimeoutError, match="hung engine"):
+        run_live(plan, [Hung()], make_router("round-robin", 1), speed=1000)
