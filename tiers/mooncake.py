@@ -44,7 +44,8 @@ from kvtier.tiers.base import MISS, Tier, full_error
 from kvtier.tiers.mooncake_client import (INVALID_PARAMS, MISS_CODES, NO_AVAILABLE_HANDLE,
                                           OK, TRANSFER_FAIL, MooncakeClient, buffer_address,
                                           is_down)
-from kvtier.tiers.mooncake_pipeline import Chunk, plan_chunks, run_pipeline, worth_pipelining
+from kvtier.tiers.mooncake_pipeline import (MIN_CHUNK_BYTES, SERVICE_MIN_CHUNK_BYTES, Chunk,
+                                           plan_chunks, run_pipeline, worth_pipelining)
 from kvtier.tiers.mooncake_usage import PoolUsage
 
 FULL_RETRIES = 4            # back-off steps on -200 before TierFullError
@@ -237,7 +238,8 @@ class MooncakeTier(Tier):
         registered = self.client.registered
         direct = [self.zero_copy and registered(a, n) for a, n in zip(addrs, sizes)]
         call = "batch_put_from" if op == "put" else "batch_get_into"
-        if all(direct) and (op == "put" or not worth_pipelining(sum(sizes))):
+        min_chunk = SERVICE_MIN_CHUNK_BYTES if self.cfg.service else MIN_CHUNK_BYTES
+        if all(direct) and (op == "put" or not worth_pipelining(sum(sizes), min_chunk)):
             # One call, nothing to stage or to overlap: skip the pipeline's bookkeeping,
             # which is a sizeable share of a 256 KiB call (~0.1-0.2 ms in Mooncake).
             codes = (store.batch_put_from(list(keys), addrs, sizes, self.client.replicate)
@@ -249,7 +251,8 @@ class MooncakeTier(Tier):
                     check(i, code, views[i])
             return codes
         staging = self.client.staging
-        chunks = plan_chunks(sizes, direct, len(staging), merge_direct=(op == "put"))
+        chunks = plan_chunks(sizes, direct, len(staging), merge_direct=(op == "put"),
+                             min_chunk=min_chunk)
         codes = [0] * len(keys)
         staging_addr = buffer_address(staging)
 

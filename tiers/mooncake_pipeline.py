@@ -28,9 +28,14 @@ MAX_CHUNK_BYTES = 32 << 20
 TARGET_CHUNKS = 4   # enough to overlap, few enough that per-call RPC overhead stays small
 
 
-def worth_pipelining(total_bytes: int) -> bool:
+# Through a pool service a call is a local RPC plus one memcpy, so much smaller chunks pay
+# off: measured for 512 x 32 KiB gets with verification, see `tiers.mooncake_service`.
+SERVICE_MIN_CHUNK_BYTES = 4 << 20
+
+
+def worth_pipelining(total_bytes: int, min_chunk: int = MIN_CHUNK_BYTES) -> bool:
     """False: move the batch in one call (nothing worth overlapping)."""
-    return total_bytes > 2 * MIN_CHUNK_BYTES
+    return total_bytes > 2 * min_chunk
 ALIGN = 4096        # staged frames start on page boundaries (fast copies, RDMA friendly)
 
 
@@ -61,10 +66,10 @@ class Chunk:
 
 
 def plan_chunks(sizes: Sequence[int], direct: Sequence[bool], staging_len: int,
-                merge_direct: bool = False) -> list[Chunk]:
+                merge_direct: bool = False, min_chunk: int = MIN_CHUNK_BYTES) -> list[Chunk]:
     """Cut a batch into chunks; direct chunks first. `merge_direct`: one direct chunk."""
     total = sum(sizes)
-    budget = min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, total // TARGET_CHUNKS))
+    budget = min(MAX_CHUNK_BYTES, max(min_chunk, total // TARGET_CHUNKS))
     staged_budget = min(budget, staging_len // 2)
     chunks: list[Chunk] = []
     for want_direct in (True, False):
