@@ -110,7 +110,8 @@ def replay(
                                   "(0: from --kv-ratio)"),
     max_output: int = typer.Option(32, min=1, help="engines: most tokens generated"),
     max_context: int = typer.Option(16384, min=64, help="engines: longest prompt"),
-    max_batch: int = typer.Option(8, min=1, help="vllm: requests per engine call"),
+    max_batch: int = typer.Option(8, min=1, help="vllm: requests in flight per engine (more "
+                                  "wait in the harness, counted in TTFT)"),
     side_by_side: bool = typer.Option(False, help="vllm: run the configurations at the same "
                                       "time (background load hits each alike)"),
     pool: str = typer.Option("service", help="vllm: service (the engines join one pool "
