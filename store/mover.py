@@ -1,7 +1,9 @@
 """The background mover: persistence, demotion, promotion and prefetch between tiers.
 
 One thread per store. Work arrives on a bounded queue (`persist`, `promote`) and from a
-periodic tick (watermarks, due prefetches). Every copy is read from the source tier into the
+periodic tick (watermarks, due prefetches). Persists go first: a block saved on this node
+is seen by the others once it reaches the shared tier, and a small pool may drop it before
+then, while a promotion only makes a block that is already safe faster to load. Every copy is read from the source tier into the
 mover's own aligned arena (bounded by `mover.buffer`), written to the destination (whose put
 is two-phase in the index), and only then may the source copy be dropped: a crash at any
 point leaves each block in at least one tier. Lookups and loads never wait for the mover;
@@ -44,7 +46,9 @@ class Mover:
     def __init__(self, store, start: bool = True):
         self.store = store
         self.cfg = store.policy.mover
-        self._queue: collections.deque = collections.deque()
+        # by priority: a persist never waits behind promotions (a load's whole prefix)
+        self._queues: dict[str, collections.deque] = {"persist": collections.deque(),
+                                                     "promote": collections.deque()}
         self._queued = 0
         self.hold = FrameHold(self.cfg.buffer_bytes)
         self.risk = PersistRisk(self.cfg.low_watermark)
@@ -104,7 +108,7 @@ class Mover:
                 # Bounded memory: a dropped persist leaves the block in the pool only.
                 self.stats[f"{kind}_dropped"] += len(keys)
                 return False
-            self._queue.append((kind, list(keys), src, nbytes, list(held)))
+            self._queues[kind].append((kind, list(keys), src, nbytes, list(held)))
             self._queued += len(keys)
             self._cv.notify()
         self.risk.backlog(nbytes)
@@ -126,9 +130,9 @@ class Mover:
     def _run(self) -> None:
         while True:
             with self._cv:
-                if not self._queue and not self._stop:
+                if not self._next(pop=False) and not self._stop:
                     self._cv.wait(self.cfg.interval_s)
-                if self._stop and not self._queue:
+                if self._stop and not self._next(pop=False):
                     return
             self.step()
 
@@ -157,9 +161,10 @@ class Mover:
         """Run every queued job now (the thread's loop; tests call it directly)."""
         while True:
             with self._cv:
-                if not self._queue:
+                job = self._next(pop=True)
+                if job is None:
                     return
-                kind, keys, src, nbytes, held = self._queue.popleft()
+                kind, keys, src, nbytes, held = job
             try:
                 for i in range(0, len(keys), self.cfg.batch_blocks):
                     batch = keys[i:i + self.cfg.batch_blocks]
@@ -172,6 +177,13 @@ class Mover:
                 self.risk.backlog(-nbytes)
                 with self._cv:
                     self._queued -= len(keys)  # counted until done, so pending() is exact
+
+    def _next(self, pop: bool):
+        """The next job by priority (taken off its queue with `pop`), or None; `_cv` held."""
+        for queue in self._queues.values():
+            if queue:
+                return queue.popleft() if pop else queue[0]
+        return None
 
     def tick(self) -> None:
         """Periodic work: watermarks, early demotions, due prefetches, reclaim."""

@@ -4,6 +4,7 @@ held frames on real tiers: a real master whose pool drops blocks, real files, re
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -240,3 +241,28 @@ def test_the_mover_thread_persists_held_frames_while_saves_go_on(tmp_path, share
         assert below(store, keys) == {"nvme": 40, "shared": 40}
         assert store.lookup(keys).hit_blocks == 40
         assert MISS not in loaded(store, keys)
+
+
+def test_a_persist_goes_before_the_promotions_queued_ahead_of_it(tmp_path, shared_master):
+    """Loads from below queue promotions of whole prefixes; a save made after them reaches
+    the shared tier (where other nodes look) before they are done."""
+    old, new = block_keys(NS, range(16 * 52))[:48], block_keys(NS, range(16 * 52))[48:]
+    with TieredStore(node_policy(tmp_path, shared_master, pool="64MiB"), mover=False) as store:
+        save_batch(store, old)
+        store.mover.drain()
+        store.tiers[0].delete(old)
+        store.placement.on_remove(store.tiers[0], old)
+        for i in range(0, 48, 8):
+            assert MISS not in loaded(store, old[i:i + 8])  # from nvme: 6 promotions queued
+        save_batch(store, new, session="t")
+        assert store.mover.pending() == 52
+        worker = threading.Thread(target=store.mover.drain)
+        worker.start()
+        try:
+            while not all(store.by_name["shared"].contains(new)):
+                assert worker.is_alive(), "the persist went last"
+                time.sleep(0.005)
+            assert store.mover.pending() > len(new)  # promotions still queued behind it
+        finally:
+            worker.join()
+        assert all(store.tiers[0].contains(old[-8:]))  # and the promotions ran after
