@@ -9,8 +9,8 @@ and its persist writes from the copies instead of reading the pool.
 
 Primitives:
 - `hold(keys, frames) -> list[str]`: copy sealed frames while the budget lasts (in order,
-  stopping at the first that does not fit); the keys copied now. A key
-  already held keeps its copy (and its owner: whoever copied it releases it).
+  stopping at the first that does not fit); the keys copied now. A key already held keeps
+  its copy (and its owner: whoever copied it releases it).
 - `frames(keys) -> dict`: views of the held copies, by key (missing keys left out).
 - `release(keys)`: drop copies; their memory is recycled for later holds.
 - `trim(idle_s)`: unmap the recycled memory after `idle_s` seconds without a hold.
@@ -22,13 +22,13 @@ mover takes both under its I/O lock), since a released slab may take another fra
 A held copy is never served to a load and no index entry points at it: a crash loses only
 copies of blocks whose persist was still queued, as it did before the hold. Thread-safe.
 
-`PersistRisk.at_risk(tier, incoming)`: may `tier` drop blocks written to it now before the
-mover reads them back? Yes for `after_miss_s` after a copy down found its block gone
-(`missed`); and when `tier` is filled to the level its evictions keep (the low watermark)
-while the persists queued (`backlog`), these included, exceed half that level: saves go on
-while the mover works through them, and eviction takes the oldest blocks first (half: a
-margin for saves that outpace the mover, and for a pool master evicting in its own order).
-A big pool, or one with room to spare, answers no: its saves are not copied. Thread-safe.
+`PersistRisk.at_risk(tier)`: may `tier` drop blocks written to it now before the mover reads
+them back? Yes once it is filled to the level its evictions keep (the low watermark): from
+then on it evicts, in an order that is not this node's to choose (the pool master's, with
+other nodes' saves and promotions filling it); and for `after_miss_s` after a copy down
+found its block gone (`missed`), whatever the fill says (a pool's usage as one process sees
+it can lag the master's). A pool with room to spare answers no: its saves are not copied.
+Copying a frame costs less than the pool read it replaces. Thread-safe.
 """
 
 from __future__ import annotations
@@ -127,31 +127,21 @@ class FrameHold:
 
 
 class PersistRisk:
-    """The persist backlog and recent misses, and the `at_risk` rule on them."""
+    """The `at_risk` rule: a tier's fill, and when a copy down last missed."""
 
     def __init__(self, low_watermark: float, after_miss_s: float = 10.0,
                  clock=time.monotonic):
         self.low_watermark, self.after_miss_s, self.clock = low_watermark, after_miss_s, clock
-        self._backlog = 0  # frame bytes of the persists queued and not done
-        self._missed_at = -math.inf
-        self._lock = threading.Lock()
-
-    def backlog(self, delta_bytes: int) -> None:
-        """Persists of `delta_bytes` were queued (positive) or are done (negative)."""
-        with self._lock:
-            self._backlog += delta_bytes
+        self._missed_at = -math.inf  # a float store: atomic, no lock needed
 
     def missed(self) -> None:
         """A copy down found its block gone from its source."""
         self._missed_at = self.clock()
 
-    def at_risk(self, tier, incoming: int) -> bool:
+    def at_risk(self, tier) -> bool:
         if self.clock() - self._missed_at < self.after_miss_s:
             return True
-        level = self.low_watermark * tier.capacity_bytes
-        with self._lock:
-            deep = self._backlog + incoming > level / 2
-        return deep and tier.used_bytes() >= level
+        return tier.used_bytes() >= self.low_watermark * tier.capacity_bytes
 
 
 def _byte_view(buf) -> memoryview:

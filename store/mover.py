@@ -10,10 +10,10 @@ point leaves each block in at least one tier. Lookups and loads never wait for t
 `make_room` is the one synchronous step, run by `save` before writing to the first tier.
 
 A persist normally reads its blocks back from the tier they were saved to (the pool). When
-that tier may drop them first (`PersistRisk`: it is full and the queue ahead is deep, or a
-copy down has just found a block gone), and for blocks it refused, `persist` keeps copies
-of the saved frames in a `FrameHold` (bounded by `mover.buffer` too) and the copies go
-down from there: the source is not read back.
+that tier may drop them first (`PersistRisk`: it is full, so evicting, or a copy down has
+just found a block gone), and for blocks it refused, `persist` keeps copies of the saved
+frames in a `FrameHold` (bounded by `mover.buffer` too) and the copies go down from there:
+the source is not read back.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from kvtier.tiers import MISS, Tier
 log = logging.getLogger(__name__)
 REAP_EVERY_S = 5.0
 NODE_LOCAL_KINDS = frozenset({"nvme"})
+TIER_COUNTERS = ("persist_misses", "demote_misses", "from_frames", "unheld")
 HOLD_IDLE_S = 60.0  # unmap the hold's recycled slabs after this long without a hold
 
 
@@ -83,24 +84,27 @@ class Mover:
         keys = [*keys, *copy]
         if not keys:
             return
-        place = self.store.placement
-        nbytes = sum(len(frames[k]) if k in frames else place.frame_bytes(k) for k in keys)
-        if written and self.risk.at_risk(self.store.by_name[src], nbytes):
+        if written and self.risk.at_risk(self.store.by_name[src]):
             copy += written
         held = self.hold.hold(copy, [frames[k] for k in copy]) if copy else []
         if copy:
             self.stats["held"] += len(held)
             self.stats[f"unheld_{src}"] += len(copy) - len(self.hold.frames(copy))
-        if not self._enqueue("persist", keys, src, nbytes, held):
+        if not self._enqueue("persist", keys, src, held):
             self._release(held)
 
     def promote(self, keys: Sequence[str], src: str) -> None:
-        """Copy `keys` from `src` up to the first tier (promotion on hit, prefetch)."""
+        """Copy `keys` from `src` up to the first tier (promotion on hit, prefetch); queued
+        a batch a job, so a persist waits behind one batch at most, not a whole prefix."""
         if self.cfg.promote_on_hit:
-            self._enqueue("promote", keys, src)
+            self._enqueue_promotions(keys, src)
 
-    def _enqueue(self, kind: str, keys: Sequence[str], src: str, nbytes: int = 0,
-                 held: Sequence[str] = ()) -> bool:
+    def _enqueue_promotions(self, keys: Sequence[str], src: str) -> None:
+        for i in range(0, len(keys), self.cfg.batch_blocks):
+            self._enqueue("promote", keys[i:i + self.cfg.batch_blocks], src)
+
+    def _enqueue(self, kind: str, keys: Sequence[str], src: str, held: Sequence[str] = ()
+                 ) -> bool:
         if not keys:
             return True
         with self._cv:
@@ -108,10 +112,9 @@ class Mover:
                 # Bounded memory: a dropped persist leaves the block in the pool only.
                 self.stats[f"{kind}_dropped"] += len(keys)
                 return False
-            self._queues[kind].append((kind, list(keys), src, nbytes, list(held)))
+            self._queues[kind].append((kind, list(keys), src, list(held)))
             self._queued += len(keys)
             self._cv.notify()
-        self.risk.backlog(nbytes)
         return True
 
     def _release(self, held: Sequence[str]) -> None:
@@ -164,7 +167,7 @@ class Mover:
                 job = self._next(pop=True)
                 if job is None:
                     return
-                kind, keys, src, nbytes, held = job
+                kind, keys, src, held = job
             try:
                 for i in range(0, len(keys), self.cfg.batch_blocks):
                     batch = keys[i:i + self.cfg.batch_blocks]
@@ -174,7 +177,6 @@ class Mover:
                         self._promote(batch, src)
             finally:
                 self._release(held)  # copied or failed: the pool's copy is what is left
-                self.risk.backlog(-nbytes)
                 with self._cv:
                     self._queued -= len(keys)  # counted until done, so pending() is exact
 
@@ -193,7 +195,7 @@ class Mover:
         for tier in self.store.tiers[:-1]:
             self.demote(tier, placement.demotions(tier, self.cfg.buffer_bytes))
         for src, keys in placement.prefetch_due(self.cfg.buffer_bytes).items():
-            self._enqueue("promote", keys, src)
+            self._enqueue_promotions(keys, src)
         now = time.monotonic()
         if now - self._last_reap >= REAP_EVERY_S:
             self._last_reap = now
@@ -232,23 +234,24 @@ class Mover:
         for dst in below:
             admitted = self.store.placement.admit(dst, keys)
             plan[dst] = [k for k, ok in zip(keys, admitted) if ok]
-        self.fan_out(self.store.by_name[src], plan)
+        self.fan_out(self.store.by_name[src], plan, why="persist")
 
     def _promote(self, keys: list[str], src: str) -> None:
         first = self.store.tiers[0]
         todo = [k for k, held in zip(keys, first.contains(keys)) if not held]
         if todo:
             self.make_room(first, sum(self.store.placement.frame_bytes(k) for k in todo))
-            self.copy(self.store.by_name[src], first, todo)
+            self.copy(self.store.by_name[src], first, todo, why="promote")
 
-    def copy(self, src: Tier, dst: Tier, keys: list[str]) -> list[str]:
+    def copy(self, src: Tier, dst: Tier, keys: list[str], why: str = "copy") -> list[str]:
         """Copy `keys` from `src` to `dst` (skipping those `dst` holds); return those copied."""
-        return self.fan_out(src, {dst: keys}).get(dst.name, [])
+        return self.fan_out(src, {dst: keys}, why).get(dst.name, [])
 
-    def fan_out(self, src: Tier, plan: dict[Tier, list[str]]) -> dict[str, list[str]]:
+    def fan_out(self, src: Tier, plan: dict[Tier, list[str]], why: str = "copy"
+                ) -> dict[str, list[str]]:
         """Read each block of `plan` from `src` once (or take its held copy) and write it to
         every tier that wants it and does not hold it yet; return the keys copied, by
-        destination tier name."""
+        destination tier name. `why` names the read misses in the stats (`{why}_misses`)."""
         plan = {dst: [k for k, held in zip(keys, dst.contains(keys)) if not held]
                 for dst, keys in plan.items() if keys}
         wanted = list(dict.fromkeys(k for keys in plan.values() for k in keys))
@@ -258,8 +261,7 @@ class Mover:
         with self._io_lock:
             frames = self.hold.frames(wanted)
             from_hold = set(frames)
-            frames.update(self._read(src, [k for k in wanted if k not in from_hold],
-                                     down=self._is_below(src, plan)))
+            frames.update(self._read(src, [k for k in wanted if k not in from_hold], why))
             for dst, keys in plan.items():
                 ready = [k for k in keys if k in frames]
                 if ready:
@@ -273,7 +275,7 @@ class Mover:
             self.stats[f"from_frames_{dst.name}"] += sum(k in from_hold for k in done)
         return copied
 
-    def _read(self, src: Tier, keys: list[str], down: bool) -> dict[str, memoryview]:
+    def _read(self, src: Tier, keys: list[str], why: str) -> dict[str, memoryview]:
         """`keys` read from `src` into the arena (the I/O lock held), by key; misses left
         out. A block gone while waiting to be copied down is lost to the tiers below."""
         if not keys:
@@ -281,23 +283,20 @@ class Mover:
         outs = self._frames([self.store.placement.frame_bytes(k) for k in keys])
         got = src.get(keys, outs)
         missed = got.count(MISS)
-        if down and missed:
-            self.stats[f"persist_misses_{src.name}"] += missed
-            self.risk.missed()
+        if missed:
+            self.stats[f"{why}_misses_{src.name}"] += missed
+            if why in ("persist", "demote"):
+                self.risk.missed()
         return {k: out[:block.HEADER_SIZE + n] for k, out, n in zip(keys, outs, got)
                 if n != MISS}
 
-    def _is_below(self, src: Tier, plan: dict[Tier, list[str]]) -> bool:
-        tiers = self.store.tiers
-        return any(tiers.index(dst) > tiers.index(src) for dst in plan)
-
     def tier_counters(self, name: str) -> dict[str, int]:
-        """The mover's counters of tier `name`: `persist_misses` (blocks gone from it when
-        the mover came to copy them down: persists and demotions), `from_frames` (blocks
-        written to it from held copies of saved frames, not read back from the pool) and
-        `unheld` (blocks saved to it at risk that the full hold could not copy)."""
-        return {k: self.stats[f"{k}_{name}"] for k in ("persist_misses", "from_frames",
-                                                        "unheld")}
+        """The mover's counters of tier `name`: `persist_misses` and `demote_misses` (blocks
+        gone from it when the mover came to copy them down, after a save or to evict them),
+        `from_frames` (blocks written to it from held copies of saved frames, not read
+        back from the pool) and `unheld` (blocks saved to it at risk that the full hold
+        could not copy)."""
+        return {k: self.stats[f"{k}_{name}"] for k in TIER_COUNTERS}
 
     def _put(self, src: Tier, dst: Tier, keys: list[str], frames: list[memoryview]
              ) -> list[str]:
@@ -393,7 +392,7 @@ class Mover:
             admitted = self.store.placement.admit(below, victims)
             keep = [k for k, ok in zip(victims, admitted) if ok]
             if keep:
-                self.copy(tier, below, keep)
+                self.copy(tier, below, keep, why="demote")
         removed = tier.delete(victims)
         self.store.placement.on_remove(tier, victims)
         self.stats[f"evicted_{tier.name}"] += removed
