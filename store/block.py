@@ -122,6 +122,26 @@ def verify(frame: memoryview | bytes, key: str | None = None, length: int | None
     return header
 
 
+_FIXED = struct.pack("<4sHH", MAGIC, VERSION, HEADER_SIZE)  # bytes 0-8 of every header
+assert struct.calcsize("<4sHHI") == 12 and struct.calcsize("<4sHHI8s16s") == 36
+_LEN_SUM = struct.Struct("<QQ")  # payload length and checksum, at byte 36
+
+
+def verified_len(frame: memoryview, key: str, length: int) -> int:
+    """`verify(frame, key, length).payload_len` for the read path, same checks at a third of
+    the cost (no Header, no hex strings: 511-block loads spent ~2 ms in verify's Python);
+    anything unexpected goes through `verify`, which raises naming the reason."""
+    head = bytes(frame[:HEADER_SIZE])
+    if (len(head) == HEADER_SIZE and head[:8] == _FIXED
+            and xxhash.xxh32_intdigest(head[:_BODY.size]) == _CRC.unpack_from(head, _BODY.size)[0]
+            and head[12:36] == bytes.fromhex(key)):  # namespace and chain
+        plen, checksum = _LEN_SUM.unpack_from(head, 36)
+        end = HEADER_SIZE + plen
+        if end <= length and payload_checksum(frame[HEADER_SIZE:end]) == checksum:
+            return plen
+    return verify(frame, key, length).payload_len
+
+
 def payload(frame: memoryview | bytes) -> memoryview:
     """The payload of a verified frame (a view, no copy)."""
     header = parse_header(frame)

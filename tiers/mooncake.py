@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from kvtier.store.block import HEADER_SIZE, parse_header, verify
+from kvtier.store.block import HEADER_SIZE, parse_header, verified_len, verify
 from kvtier.store.config import MooncakeTierConfig
 from kvtier.store.errors import CorruptBlockError
 from kvtier.tiers import mooncake_check
@@ -148,7 +148,7 @@ class MooncakeTier(Tier):
         def check(i: int, code: int, frame: memoryview) -> None:
             if code >= 0:
                 try:
-                    result[i] = verify(frame[:code], keys[i], code).payload_len
+                    result[i] = verified_len(frame[:code], keys[i], code)
                 except CorruptBlockError:
                     corrupt.append(keys[i])
             elif code == INVALID_PARAMS:  # the object is larger than the caller's buffer

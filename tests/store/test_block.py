@@ -88,3 +88,24 @@ def test_future_version_is_refused():
 def test_frame_too_small_to_seal():
     with pytest.raises(ValueError, match="cannot hold"):
         block.seal(bytearray(70), KEY, 100)
+
+
+def test_verified_len_accepts_and_refuses_exactly_what_verify_does():
+    import os
+    from kvtier.store.block import CorruptBlockError, HEADER_SIZE, encode, verified_len, verify
+    from kvtier.store.keys import Namespace, id_chain_hashes, make_keys
+    ns = Namespace(model="kvtier-test-verified-len").fingerprint()
+    key, other = make_keys(ns, id_chain_hashes([1, 2]))
+    frame = bytes(encode(key, os.urandom(1000)))
+    assert verified_len(memoryview(frame), key, len(frame)) == 1000 == \
+        verify(frame, key, len(frame)).payload_len
+    bad = {"payload": frame[:500] + bytes([frame[500] ^ 1]) + frame[501:],
+           "header": frame[:20] + bytes([frame[20] ^ 1]) + frame[21:],
+           "short": frame[:HEADER_SIZE + 999], "zeros": bytes(len(frame))}
+    for name, b in bad.items():
+        with pytest.raises(CorruptBlockError):
+            verified_len(memoryview(b), key, len(b))
+    with pytest.raises(CorruptBlockError, match="another key"):
+        verified_len(memoryview(frame), other, len(frame))
+    with pytest.raises(CorruptBlockError, match="truncated"):
+        verified_len(memoryview(frame), key, len(frame) - 1)
