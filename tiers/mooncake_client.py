@@ -288,16 +288,12 @@ class MooncakeClient:
         """Page-aligned memory registered for zero-copy transfers (shared with the pool service
         when there is one). After a reconnect to a new service it is no longer registered:
         transfers from it then go through `staging`, still correct."""
-        with self._lock:
-            if not self.cfg.service:
-                view = alloc_aligned(nbytes)
-                rc = self._handle.store.register_buffer(buffer_address(view), nbytes)
-                if rc != OK:
-                    raise TierError(f"tier {self.cfg.name!r}: register_buffer of {nbytes} "
-                                    f"bytes failed (code {rc}); check ulimit -l")
-                self._add_reg(buffer_address(view), nbytes, view)
-                return view
-            return self._alloc_shared(self._handle.store, nbytes)
+        if self.cfg.service:
+            with self._lock:
+                return self._alloc_shared(self._handle.store, nbytes)
+        view = alloc_aligned(nbytes)
+        self.register(view)
+        return view
 
     def _add_reg(self, addr: int, nbytes: int, owner: Any) -> None:
         starts, bufs = self._regs
