@@ -98,7 +98,48 @@ def master_answers(address: str, timeout_s: float = 0.5) -> bool:
         return False
 
 
-class EmbeddedMaster:
+class ChildProcess:
+    """A server kvtier runs as a child process (`proc`, its log file `_log`): subclasses
+    start it; this stops, kills and answers whether it is alive. A context manager."""
+
+    proc: subprocess.Popen | None = None
+    _log = None
+
+    def start(self) -> "ChildProcess":
+        raise NotImplementedError
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`; idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def kill(self) -> None:
+        """SIGKILL at once (fault tests)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class EmbeddedMaster(ChildProcess):
     """A `mooncake_master` child process on loopback. Use as a context manager or start/stop."""
 
     def __init__(self, cfg: MasterConfig | None = None, rpc_port: int | None = None,
@@ -177,37 +218,6 @@ class EmbeddedMaster:
         lines = Path(self.log_path).read_text(errors="replace").strip().splitlines()
         errors = [ln for ln in lines if ln[:1] in "EF"]
         return f" ({(errors or lines or [''])[-1][:200]})"
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `timeout_s`; idempotent."""
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def kill(self) -> None:
-        """SIGKILL at once (fault tests)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-    def __enter__(self) -> "EmbeddedMaster":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
 
 def ensure_master(cfg: MasterConfig, lock_dir: Path | None = None) -> EmbeddedMaster | None:
     """Join the master at `cfg.address`, or start and own one when none answers.

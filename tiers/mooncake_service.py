@@ -29,8 +29,9 @@ from pathlib import Path
 from kvtier.store.config import MasterConfig, MooncakeTierConfig, kvtier_home
 from kvtier.store.errors import MasterError
 from kvtier.store.index import make_private_dirs
-from kvtier.store.master import (INSTALL_HINT, check_shared_libraries, die_with_parent,
-                                 find_mooncake_binary, master_answers, private_file)
+from kvtier.store.master import (INSTALL_HINT, ChildProcess, check_shared_libraries,
+                                 die_with_parent, find_mooncake_binary, master_answers,
+                                 private_file)
 
 BINARY = "mooncake_client"
 START_TIMEOUT_S = 20.0
@@ -39,7 +40,7 @@ START_TIMEOUT_S = 20.0
 _SEGMENT_LINE = re.compile(rb"parseHostNameWithPort\. server_name: (\S+) port: (\d+)")
 
 
-class PoolService:
+class PoolService(ChildProcess):
     """One `mooncake_client` process lending `cfg.capacity` bytes on behalf of the node."""
 
     def __init__(self, cfg: MooncakeTierConfig, master: MasterConfig,
@@ -109,36 +110,6 @@ class PoolService:
         with private_file(tmp, "w") as f:
             f.write(segment)
         os.replace(tmp, path)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `timeout_s`; idempotent."""
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def kill(self) -> None:
-        """SIGKILL at once (fault tests)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-    def __enter__(self) -> "PoolService":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def service_log(cfg: MooncakeTierConfig, home: Path | None = None) -> Path:
