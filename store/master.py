@@ -108,6 +108,18 @@ class ChildProcess:
     def start(self) -> "ChildProcess":
         raise NotImplementedError
 
+    def _spawn(self, binary: Path, command: list[str], log) -> None:
+        """Run `command` with output to `log`. The owner's death ends the child: no orphan
+        keeps ports or memory, and the processes that joined it start a new one when they
+        notice (`ensure_master`, `ensure_service`)."""
+        try:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=log,
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=die_with_parent)
+        except OSError as e:
+            raise MasterError(f"cannot run {binary}: {e.strerror}; reinstall: {INSTALL_HINT}"
+                              ) from None
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -187,15 +199,7 @@ class EmbeddedMaster(ChildProcess):
         self.metrics_port = free_port(self.host)
         log = private_file(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self._log = log if self.log_path else None
-        try:
-            # The owner's death ends the master: no orphan keeps ports or memory, and the
-            # processes that joined it start a new one (ensure_master) when they notice.
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log,
-                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=die_with_parent)
-        except OSError as e:
-            raise MasterError(f"cannot run {binary}: {e.strerror}; reinstall: {INSTALL_HINT}"
-                              ) from None
+        self._spawn(binary, self.command(), log)
         self._wait_ready()
         return self
 

@@ -29,9 +29,8 @@ from pathlib import Path
 from kvtier.store.config import MasterConfig, MooncakeTierConfig, kvtier_home
 from kvtier.store.errors import MasterError
 from kvtier.store.index import make_private_dirs
-from kvtier.store.master import (INSTALL_HINT, ChildProcess, check_shared_libraries,
-                                 die_with_parent, find_mooncake_binary, master_answers,
-                                 private_file)
+from kvtier.store.master import (ChildProcess, check_shared_libraries, find_mooncake_binary,
+                                 master_answers, private_file)
 
 BINARY = "mooncake_client"
 START_TIMEOUT_S = 20.0
@@ -78,14 +77,8 @@ class PoolService(ChildProcess):
             raise MasterError(f"port {self.address} is already in use; stop what listens there "
                               f"or set the tier's service to a free port")
         make_private_dirs(self.log_path.parent)
-        log = self._log = private_file(self.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log,
-                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=die_with_parent)
-        except OSError as e:
-            raise MasterError(f"cannot run {binary}: {e.strerror}; reinstall: {INSTALL_HINT}"
-                              ) from None
+        self._log = private_file(self.log_path, "ab")
+        self._spawn(binary, self.command(), self._log)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
