@@ -43,6 +43,7 @@ class LoadBatch:
     block_ids: list[list[int]]
     skip_first: int        # leading blocks of row 0 not written
     last: bool             # the request's final batch
+    tiers: list[str] | None = None  # where the lookup found each chunk (asked first)
 
 
 @dataclass
@@ -183,7 +184,7 @@ class IOThread:
         buf = self.load_pool.acquire()
         try:
             n = len(job.keys)
-            got = self.store.load(job.keys, [buf.frame(i) for i in range(n)])
+            got = self.store.load(job.keys, [buf.frame(i) for i in range(n)], job.tiers)
             t1 = time.perf_counter()
             ok = next((i for i, g in enumerate(got) if g != self.payload_len), n)
             if ok:

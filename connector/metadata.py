@@ -4,7 +4,8 @@ A job moves whole chunks: `keys[i]` (rank-0 namespace) is chunk i, `block_ids[i]
 `chunk_tokens / block_size` vLLM block ids in token order.
 
 - `LoadJob`: read the chunks and scatter them into the blocks; the first `skip_first`
-  blocks of chunk 0 already hold a local prefix hit and are not written. The worker reports
+  blocks of chunk 0 already hold a local prefix hit and are not written. `tiers[i]` is
+  where the lookup found chunk i (a hint: the load asks that tier first). The worker reports
   the request in `finished_recving` when done, and every block it could not fill through
   `get_block_ids_with_load_errors` (so vLLM recomputes from the first of them).
 - `SaveJob`: gather the chunks from the blocks and save them. The blocks must hold the KV of
@@ -27,6 +28,7 @@ class LoadJob:
     keys: list[str]
     block_ids: list[list[int]]
     skip_first: int = 0
+    tiers: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -141,7 +141,7 @@ class SchedulerSide:
                 for c in range(plan.first, plan.first + n)]
         skip = plan.num_computed // self.shape.block_size - plan.first * self.m
         self._loads.append(LoadJob(request.request_id, st.keys[plan.first:plan.first + n],
-                                   rows, skip))
+                                   rows, skip, list(plan.tiers[:n])))
         st.loaded_upto = st.saved_upto = plan.first + n
         st.sources = self._account(st, plan, n, num_external)
 

@@ -127,7 +127,8 @@ class WorkerSide:
         step = self.io.load_pool.capacity
         starts = list(range(0, len(keys), step))
         return [LoadBatch(job.req_id, keys[s:s + step], job.block_ids[s:s + step],
-                          job.skip_first if s == 0 else 0, last=(s == starts[-1]))
+                          job.skip_first if s == 0 else 0, last=(s == starts[-1]),
+                          tiers=job.tiers[s:s + step] or None)
                 for s in starts]
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:

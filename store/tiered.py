@@ -109,29 +109,45 @@ class TieredStore:
         self.placement.on_lookup(keys, hits, hint)
         return LookupResult(hits, tuple(found[:hits]))  # type: ignore[arg-type]
 
-    def load(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int]:
-        """Read each block from the fastest tier that has it; payload length or MISS."""
+    def load(self, keys: Sequence[str], outs: Sequence[memoryview],
+             where: Sequence[str | None] | None = None) -> list[int]:
+        """Read each block from the fastest tier that has it; payload length or MISS.
+
+        `where[i]`, when given, is the tier a lookup found block i in (`LookupResult.tiers`):
+        that tier is asked first, so a block found below the pool costs no pool round trip;
+        one it no longer has is looked for in the other tiers, fastest first."""
         check_keys(keys)
+        if where is not None and len(where) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(where)} tier hints; give one per key")
         result = [MISS] * len(keys)
-        todo = list(range(len(keys)))
+        if where is not None:
+            for tier in self.tiers:
+                self._load_from(tier, keys, outs, result,
+                                [i for i in range(len(keys)) if where[i] == tier.name])
         for tier in self.tiers:
-            if not todo:
-                break
-            try:
-                got = tier.get([keys[i] for i in todo], [outs[i] for i in todo])
-            except TierError as e:
-                log.warning("load skips tier %s: %s", tier.name, e)
-                continue
-            hits = [i for i, n in zip(todo, got) if n != MISS]
-            for i, n in zip(todo, got):
-                if n != MISS:
-                    result[i] = n
-            if hits:
-                self.placement.on_hit(tier, [keys[i] for i in hits])
-                if tier is not self.tiers[0]:
-                    self.mover.promote([keys[i] for i in hits], tier.name)
-            todo = [i for i in todo if result[i] == MISS]
+            todo = [i for i in range(len(keys)) if result[i] == MISS
+                    and (where is None or where[i] != tier.name)]
+            self._load_from(tier, keys, outs, result, todo)
         return result
+
+    def _load_from(self, tier: Tier, keys: Sequence[str], outs: Sequence[memoryview],
+                   result: list[int], todo: list[int]) -> None:
+        """Read blocks `todo` from `tier` into `outs`, filling `result` where it has them."""
+        if not todo:
+            return
+        try:
+            got = tier.get([keys[i] for i in todo], [outs[i] for i in todo])
+        except TierError as e:
+            log.warning("load skips tier %s: %s", tier.name, e)
+            return
+        hits = [i for i, n in zip(todo, got) if n != MISS]
+        for i, n in zip(todo, got):
+            if n != MISS:
+                result[i] = n
+        if hits:
+            self.placement.on_hit(tier, [keys[i] for i in hits])
+            if tier is not self.tiers[0]:
+                self.mover.promote([keys[i] for i in hits], tier.name)
 
     def save(self, keys: Sequence[str], frames: Sequence[memoryview],
              hint: SessionHint | None = None) -> list[bool]:

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from rich.table import Table
 
 from kvtier.store.errors import KVTierError
-from kvtier.tools.replay_run import CLASSIC, RunSpec, run
+from kvtier.tools.replay_run import BOUND, CLASSIC, RunSpec, run
 from kvtier.tools.simulate import SimParams
 from kvtier.tools.synthetic import SyntheticSpec
 
@@ -94,6 +94,9 @@ def replay(
     bytes_per_token: int = typer.Option(131_072, min=1, help="KV bytes per token"),
     prefill_tps: float = typer.Option(20_000.0, min=1.0, help="prefill tokens per second"),
     jobs: int = typer.Option(min(2, os.cpu_count() or 1), min=1, help="worker processes"),
+    online_bound: bool = typer.Option(False, "--online-bound", help="simulate: add the highest "
+                                      "hit rate any online policy can reach on synthetic "
+                                      "(about 20 s per capacity)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     instances: str = typer.Option("4", help="engines: instance counts (a list sweeps, with "
                                   "--sessions per instance)"),
@@ -169,7 +172,7 @@ def replay(
         tiered=None if tiered == "none" else _floats(tiered, "--tiered", 3),
         traces=traces, synthetic=SyntheticSpec(sessions=sessions, live=live or sessions,
                                                seed=seed, prefill_tokens_per_s=prefill_tps),
-        weka_live=weka_live, seed=seed, jobs=jobs,
+        weka_live=weka_live, seed=seed, jobs=jobs, online_bound=online_bound,
         sim=SimParams(bytes_per_token=bytes_per_token, prefill_tokens_per_s=prefill_tps))
     console = Console(width=max(Console().width, 110))  # tables stay readable in logs
     with Progress("[progress.description]{task.description}", BarColumn(),
@@ -210,7 +213,9 @@ def render(report: dict, console: Console) -> None:
         t = Table(title=f"{name}: {w['name']}, {w['requests']:,} requests, footprint "
                   f"{w['footprint_tokens']:,} tokens; token hit rate %, infinite cache "
                   f"{w['infinite']:.1f}")
-        for col in ["capacity", *pols, "belady", "gap", "closed", "(a)", "(b)"]:
+        bound = any(BOUND in row for row in w["rows"])
+        for col in ["capacity", *pols, "belady", *(["online ≤"] if bound else []), "gap",
+                    "closed", "(a)", "(b)"]:
             t.add_column(col, justify="right")
         for row in w["rows"]:
             best = row.get("best_classic")
@@ -220,7 +225,10 @@ def render(report: dict, console: Console) -> None:
                 bold = p in CLASSIC and best is not None and v == best
                 cells.append(f"[bold]{v:.1f}[/]" if bold else f"{v:.1f}")
             closed = row.get("closed")
-            cells += [f"{row['belady']:.1f}", f"{row.get('gap', 0):.1f}",
+            cells.append(f"{row['belady']:.1f}")
+            if bound:
+                cells.append(f"{row[BOUND]:.1f}" if BOUND in row else "")
+            cells += [f"{row.get('gap', 0):.1f}",
                       "" if closed is None else f"{100 * closed:.0f}%",
                       _mark(row.get("target_a")), _mark(row.get("target_b"))]
             t.add_row(*cells)

@@ -10,6 +10,8 @@ tiered variant (dram + nvme + sharedfs) for `lru` and `agentic`. Returns plain d
     points or more, agentic closes at least half of that gap;
 (b) everywhere, agentic is at most `slack` points below the best classic policy;
 (c) tiered: the hit rate is within 1 point of the infinite cache.
+With `online_bound`, the synthetic rows also get the highest hit rate any online policy can
+reach (`tools.online_bound`): what (a) can ask of a policy that does not see the future.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ import numpy as np
 from kvtier.store.config import kvtier_home
 from kvtier.tools.segments import Compiled, compile_workload
 from kvtier.tools.sim_tiered import TieredReplay
+from kvtier.tools.online_bound import online_bound
 from kvtier.tools.simulate import Replay, SimParams, total_input_tokens
 from kvtier.tools.synthetic import SyntheticSpec, synthetic
 from kvtier.tools.traces import Workload, load_mooncake, load_weka
 
 CLASSIC = ("lru", "s3fifo", "arc")
+BOUND = "online_bound"  # a job computing the online bound, not a policy
 GAP_TARGETS = ("synthetic", "weka")  # where target (a) applies
 
 
@@ -53,6 +57,7 @@ class RunSpec:
     cache: bool = True
     gap_min: float = 5.0
     slack: float = 0.5
+    online_bound: bool = False   # synthetic only: its gap distribution is known
 
 
 def load(name: str, spec: RunSpec) -> Compiled:
@@ -108,6 +113,7 @@ def _cache_key(name: str, path: Path, spec: RunSpec) -> str:
 
 
 _WORK: dict[str, Compiled] = {}  # filled before the pool forks
+_SYNTHETIC: list[SyntheticSpec] = []  # the synthetic workload's spec, for the online bound
 
 
 def _job(args) -> tuple:
@@ -116,6 +122,10 @@ def _job(args) -> tuple:
     t0 = time.perf_counter()
     total = total_input_tokens(c)
     fp = c.footprint_blocks * c.work.block_tokens * params.bytes_per_token
+    if policy == BOUND:
+        fp_tokens = c.footprint_blocks * c.work.block_tokens
+        rate = online_bound(c.work, _SYNTHETIC[0], [frac * fp_tokens])[0]
+        return name, policy, frac, 100.0 * rate, time.perf_counter() - t0, {}
     if tiered:
         rp = TieredReplay(c, policy, tuple(f * fp for f in tiered), params)
         hits = rp.run()
@@ -132,12 +142,15 @@ def run(spec: RunSpec, progress=None) -> dict:
     t0 = time.time()
     for name in spec.workloads:
         _WORK[name] = load(name, spec)
+    _SYNTHETIC[:] = [spec.synthetic]
     jobs = []
     for name in spec.workloads:
         jobs.append((name, "lru", None, None, spec.sim))  # the infinite cache
         for frac in spec.capacities:
             for pol in (*spec.policies, "belady"):
                 jobs.append((name, pol, frac, None, spec.sim))
+            if spec.online_bound and name == "synthetic":
+                jobs.append((name, BOUND, frac, None, spec.sim))
         if spec.tiered:
             jobs += [(name, pol, None, spec.tiered, spec.sim) for pol in ("lru", "agentic")]
     jobs.sort(key=lambda j: (j[0] != "weka", j[3] is None))  # long ones first

@@ -115,6 +115,8 @@ def load_into(s, req_id, tokens, ids, local=0):
     assert is_async and n > 0
     s.sched.update_state_after_alloc(r, blocks(ids), n)
     meta = step(s.sched)
+    # where the lookup found each chunk rides along, so the load asks that tier first
+    assert all(job.tiers == ["shared"] * len(job.keys) for job in meta.loads)
     sending, recving = run_worker(s.worker, meta)
     while not recving:
         sending, recving = s.worker.get_finished(set())

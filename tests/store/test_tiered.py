@@ -54,9 +54,9 @@ def small_policy(root, master, **mover):
         admission={"kind": "always"})
 
 
-def check_loaded(store, keys):
+def check_loaded(store, keys, where=None):
     outs = outs_for(len(keys))
-    got = store.load(keys, outs)
+    got = store.load(keys, outs, where)
     for key, out, n in zip(keys, outs, got):
         if n != MISS:
             assert n == PAYLOAD
@@ -84,6 +84,26 @@ def test_save_lookup_load_and_persist(tmp_path, shared_master):
         assert check_loaded(store, keys) == [PAYLOAD] * 8
         store.mover.drain()
         assert all(store.tiers[0].contains(keys))
+
+
+def test_load_asks_the_tier_the_lookup_named_first(tmp_path, shared_master):
+    keys = block_keys(NS, range(16 * 4))
+    with TieredStore(small_policy(tmp_path, shared_master), mover=False) as store:
+        store.save(keys, frames_for(keys))
+        store.mover.drain()  # every block in dram, nvme and shared
+        store.by_name["shared"].delete([keys[3]])  # a hint gone stale
+        tiers = {t.name: t for t in store.tiers}
+        before = {name: t.counters() for name, t in tiers.items()}
+        got = check_loaded(store, keys, ["nvme", "nvme", "dram", "shared"])
+        assert got == [PAYLOAD] * 4
+        moved = {name: {k: t.counters()[k] - before[name][k] for k in ("hits", "misses")}
+                 for name, t in tiers.items()}
+        # the pool is never asked for the blocks found on nvme; the stale one falls back to
+        # the fastest tier that has it
+        assert moved == {"dram": {"hits": 2, "misses": 0}, "nvme": {"hits": 2, "misses": 0},
+                         "shared": {"hits": 0, "misses": 1}}
+        with pytest.raises(ValueError, match="tier hints"):
+            store.load(keys, outs_for(4), ["dram"])
 
 
 def test_prefix_stops_at_the_first_missing_block(tmp_path, shared_master):

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtier.tools.cli import app
+from kvtier.tools.online_bound import online_bound, returns_of
 from kvtier.tools.segments import compile_workload
 from kvtier.tools.sim_tiered import TieredReplay
 from kvtier.tools.simulate import Replay, SimParams, total_input_tokens
@@ -17,9 +18,12 @@ from kvtier.tools.synthetic import SyntheticSpec, synthetic
 ONLINE = ("lru", "s3fifo", "arc", "agentic")
 
 
+SMALL = SyntheticSpec(sessions=16, live=16, turns=12, seed=3)
+
+
 @pytest.fixture(scope="module")
 def small():
-    w = synthetic(SyntheticSpec(sessions=16, live=16, turns=12, seed=3))
+    w = synthetic(SMALL)
     c = compile_workload(w, 16)
     fp = c.footprint_blocks * w.block_tokens * SimParams().bytes_per_token
     return c, fp, total_input_tokens(c)
@@ -37,6 +41,21 @@ def test_agentic_keeps_up_with_lru_and_belady_bounds_every_online_policy(small, 
     assert got["agentic"] >= got["lru"] - 0.5
     assert all(got["belady"] >= got[p] for p in ONLINE), got
     assert all(got[p] <= infinite + 1e-9 for p in got)
+
+
+def test_online_bound_is_above_every_online_policy_and_below_the_infinite_cache(small):
+    c, fp, total = small
+    fp_tokens = c.footprint_blocks * c.work.block_tokens
+    fracs = (0.01, 0.05, 0.15, 1.0)
+    bounds = [100 * b for b in online_bound(c.work, SMALL, [f * fp_tokens for f in fracs])]
+    infinite = rate(c, "lru", float("inf"), total)
+    assert bounds == sorted(bounds) and bounds[-1] <= infinite + 1e-6
+    assert bounds[-1] == pytest.approx(infinite, abs=1.0)  # room for all: nearly everything
+    shared = returns_of(c.work).shared_hits / total * 100
+    assert bounds[0] < shared + 1.0  # no room beyond the system prompt: little more than it
+    for frac, bound in zip(fracs[1:3], bounds[1:3]):
+        got = {p: rate(c, p, frac * fp, total) for p in ONLINE}
+        assert all(v <= bound for v in got.values()), (frac, bound, got)
 
 
 def test_tiny_capacity_still_respects_it_and_infinite_is_the_ideal(small):
@@ -64,12 +83,14 @@ def test_cli_runs_a_small_simulation_and_writes_json(tmp_path):
     res = CliRunner().invoke(app, [
         "replay", "--simulate", "-w", "synthetic", "--sessions", "8", "--capacities",
         "0.05,0.2", "--policies", "lru,agentic", "--tiered", "0.05,0.2,1", "--jobs", "1",
-        "--json", str(out)], catch_exceptions=False)
+        "--online-bound", "--json", str(out)], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
     rows = report["workloads"]["synthetic"]["rows"]
     assert [r["capacity"] for r in rows] == [0.05, 0.2]
     assert all({"lru", "agentic", "belady", "best_classic", "target_b"} <= set(r) for r in rows)
+    assert all(r["agentic"] <= r["online_bound"] <= 100 for r in rows)
+    assert "online ≤" in res.output
     assert set(report["workloads"]["synthetic"]["tiered"]) == {"lru", "agentic"}
 
 
