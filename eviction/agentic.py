@@ -13,7 +13,10 @@ sessions share the block, in powers of two (`shared_min_sessions` and up; 1 belo
    the session tracker's prediction: the learned log-normal gap, the class of the wait ahead
    (a tool call, a person), the learned chance the session ended; a shared unit is read
    when the first of its `level` sessions returns, so a system prompt shared by many
-   outlives every session that uses it. Each unit goes from its TAIL (highest position).
+   outlives every session that uses it. A session whose turn is still being served cannot
+   come back before it ends: the rest of the turn (estimated by its last turn's length) is
+   held at no chance of a read, so a long turn (a big context to prefill) lowers its density.
+   Each unit goes from its TAIL (highest position).
 A unit's rank is recomputed when the policy hears of its session and for every unit every
 `refresh_s` (only mutations recompute, so selection stays side-effect free).
 
@@ -180,7 +183,7 @@ class AgenticPolicy(EvictionPolicy):
         if len(idx):
             cols = sl.columns(sl.stamp[idx], idx)
             if self.config.rank == "density":
-                sl.key[idx] = hit_density(*cols, self._grid)
+                sl.key[idx] = hit_density(*cols, self._grid, sl.dead(sl.stamp[idx], idx))
             else:
                 sl.key[idx] = -time_to_read(*cols, self.config.next_use_quantile)
         return sl.key

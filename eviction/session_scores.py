@@ -55,11 +55,14 @@ def _ndtri(p: np.ndarray) -> np.ndarray:
     return np.where(np.abs(p - 0.5) <= 0.47575, mid, tail)
 
 
-def hit_density(idle, mu, sigma, alive, level, grid_s: np.ndarray) -> np.ndarray:
+def hit_density(idle, mu, sigma, alive, level, grid_s: np.ndarray,
+                dead: np.ndarray | None = None) -> np.ndarray:
     """Least-hit-density index (after LHD, Beckmann et al., NSDI'18): the best, over holding
     limits T in `grid_s`, of P(read within T) / E[time held, at most T], given no read for
     `idle` seconds. A session that cannot be back for a while, or may never be back, scores
-    low; a unit shared by `level` sessions is read when the first returns (survival^level)."""
+    low; a unit shared by `level` sessions is read when the first returns (survival^level).
+    `dead`: seconds the unit must be held before its gap even starts (no read can come in
+    them), added to every holding time."""
     idle, mu, sigma = idle[:, None], mu[:, None], sigma[:, None]
     alive, level = alive[:, None], level[:, None]
     pts = np.concatenate([[0.0], grid_s])[None, :]
@@ -67,6 +70,8 @@ def hit_density(idle, mu, sigma, alive, level, grid_s: np.ndarray) -> np.ndarray
     surv = surv / np.maximum(surv[:, :1], 1e-300)          # condition on "not yet"
     p_read = 1.0 - surv[:, 1:]
     held = np.cumsum((surv[:, 1:] + surv[:, :-1]) * 0.5 * np.diff(pts), axis=1)
+    if dead is not None:
+        held += dead[:, None]
     return (p_read / np.maximum(held, 1e-12)).max(axis=1)
 
 
@@ -99,7 +104,7 @@ class SessionSlots:
     sessions share (sharers are treated as alike and independent). `key` holds each unit's
     ranking key (lowest evicted first), computed by the owner of the slots."""
 
-    _FLOATS = ("since", "mu", "sigma", "alive", "level", "key", "stamp")
+    _FLOATS = ("since", "mu", "sigma", "alive", "level", "key", "stamp", "busy")
 
     def __init__(self):
         self.index: dict[tuple, int] = {}
@@ -133,15 +138,23 @@ class SessionSlots:
     def refresh(self, i: int, snap) -> None:
         if snap is None:  # the tracker forgot the session: it ended
             self.since[i], self.mu[i], self.sigma[i], self.alive[i] = 0.0, 0.0, 1.0, 0.0
-            self.active[i] = False
+            self.active[i], self.busy[i] = False, 0.0
         else:
             self.since[i], self.mu[i], self.sigma[i] = snap.since, snap.mu, snap.sigma
             self.alive[i], self.active[i] = snap.alive, snap.active
+            self.busy[i] = snap.busy_s
 
     def idle(self, now: float) -> np.ndarray:
         """Seconds since each unit's gap clock started; 0 while its session is being served
         (its next turn follows this one)."""
         return np.where(self.active, 0.0, now - self.since)
+
+    def dead(self, now, idx=slice(None)) -> np.ndarray:
+        """Seconds each unit of `idx` must still be held before its next read can come: the
+        rest of its session's turn in service, estimated by the length of its last turn; 0
+        for shared units (another sharer may read them meanwhile) and idle sessions."""
+        left = self.busy[idx] - (now - self.since[idx])
+        return np.where(self.active[idx] & (self.level[idx] == 1), np.maximum(left, 0.0), 0.0)
 
     def columns(self, now, idx=slice(None)) -> tuple:
         """(idle, mu, sigma, alive, level) of the slots `idx` at time(s) `now`: the inputs

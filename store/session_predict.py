@@ -41,6 +41,7 @@ class Snapshot(NamedTuple):
     sigma: float
     alive: float    # P(the session has another turn)
     active: bool
+    busy_s: float = 0.0  # how long its last turn was served
 
 
 class SessionPredictions:
@@ -53,7 +54,8 @@ class SessionPredictions:
             return None
         mu, sigma = self._params(s)
         since = s.last_end if s.last_end is not None and not s.active else s.last_arrival
-        return Snapshot(since, mu, sigma, 1.0 - self.model.p_end(s.cls, s.turns), s.active)
+        return Snapshot(since, mu, sigma, 1.0 - self.model.p_end(s.cls, s.turns), s.active,
+                        s.busy_s)
 
     def reuse_probability(self, session: Hashable, now: float, horizon_s: float) -> float:
         """P(next turn in (now, now + horizon_s]), given none so far."""

@@ -64,7 +64,7 @@ class Turn(NamedTuple):
 
 class _Session:
     __slots__ = ("sid", "chain", "base", "turns", "last_arrival", "last_end", "active", "cls",
-                 "stats", "hint_gap_s")
+                 "stats", "hint_gap_s", "busy_s")
 
     def __init__(self, sid: Hashable, now: float):
         self.sid, self.chain, self.base, self.turns = sid, [], 0, 0
@@ -72,6 +72,7 @@ class _Session:
         self.cls: object = None
         self.stats: dict[object, LogStats] = {}
         self.hint_gap_s: float | None = None
+        self.busy_s = 0.0  # how long its last turn was served (arrival to end)
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
@@ -174,6 +175,8 @@ class SessionTracker(SessionPredictions):
         s = self._sessions.get(session)
         if s is None:
             return
+        if s.active:
+            s.busy_s = now - s.last_arrival
         s.last_end, s.active, s.cls = now, False, gap_class
         if expected_gap_s is not None:
             s.hint_gap_s = expected_gap_s

@@ -59,6 +59,37 @@ def test_a_person_wait_goes_before_a_tool_wait():
     assert victims == user_keys[::-1]
 
 
+def test_a_session_still_in_a_long_turn_goes_before_one_in_a_short_turn():
+    """Neither can come back before its turn ends: the one whose turns take longer (a big
+    context to prefill) holds its blocks longer for the same chance of a read."""
+    tr = trained_tracker()
+    now = 10_000.0
+    keys = {}
+    for name, turn_s in (("long", 8.0), ("short", 0.5)):
+        sid, keys[name] = session_with(tr, name, now - 20, "tool")  # turn 1: learn its length
+        tr.end_turn(tr.observe(keys[name], now - 15).session, now - 15 + turn_s, "tool")
+        tr.observe(keys[name] + [f"{name}-next"], now)  # turn 3 in service since `now`
+        assert tr.snapshot(sid).busy_s == pytest.approx(turn_s)
+    pol = policy(tr)
+    for k in keys["short"] + keys["long"]:
+        pol.on_insert(k, 1, now + 0.1, tr.meta(k))
+    assert pol.select_victims(3, now + 0.2) == keys["long"][::-1]
+
+
+def test_dead_time_counts_only_for_a_sessions_own_blocks_in_service():
+    from kvtier.eviction.session_scores import SessionSlots, hit_density
+    from kvtier.store.session_predict import Snapshot
+    sl = SessionSlots()
+    for unit, active in ((("a", 1), True), (("a", 4), True), (("b", 1), False)):
+        sl.refresh(sl.add(unit), Snapshot(100.0, 1.0, 1.0, 1.0, active, busy_s=5.0))
+    assert sl.dead(102.0).tolist()[:3] == [3.0, 0.0, 0.0]  # shared, idle: nothing to wait
+    assert sl.dead(110.0).tolist()[:3] == [0.0, 0.0, 0.0]  # past its usual length
+    one = [np.array([v]) for v in (0.0, 1.0, 1.0, 1.0, 1.0)]
+    grid = np.geomspace(0.25, 3600, 40)
+    assert hit_density(*one, grid, np.array([0.0])) == pytest.approx(hit_density(*one, grid))
+    assert hit_density(*one, grid, np.array([4.0])) < hit_density(*one, grid)
+
+
 def test_blocks_of_ended_or_unknown_sessions_go_first():
     tr = trained_tracker()
     now = 10_000.0
