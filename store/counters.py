@@ -18,7 +18,7 @@ import lmdb
 from kvtier.store.index import Index
 
 TABLE = "counters"
-# the tiers' own counters, then the mover's per tier (`Mover.tier_counters`)
+# the tiers' own counters, then the mover's per tier (`Copier.tier_counters`)
 SUMMED = ("hits", "misses", "corrupt", "errors", "puts", "deletes", "bytes_in", "bytes_out",
           "persist_misses", "demote_misses", "from_frames", "unheld")
 _START = int(time.time())

@@ -172,7 +172,7 @@ class TieredStore:
         if new:
             self.mover.make_room(first, sum(len(frames[i]) for i in new))
             # TierUnavailableError goes up: save() hands the batch to the next tier
-            ok = self.mover.put(first, [keys[i] for i in new], [frames[i] for i in new])
+            ok = self.mover.copier.put(first, [keys[i] for i in new], [frames[i] for i in new])
             for i, good in zip(new, ok):
                 stored[i] = good
             fresh = {keys[i]: frames[i] for i in new}
@@ -194,7 +194,7 @@ class TieredStore:
     def usage(self) -> dict[str, dict[str, int]]:
         """Capacity, used bytes and counters of every tier (the mover's among them)."""
         return {t.name: {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes(),
-                         **t.counters(), **self.mover.tier_counters(t.name)}
+                         **t.counters(), **self.mover.copier.tier_counters(t.name)}
                 for t in self.tiers}
 
     def save_counters(self) -> None:
