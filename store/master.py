@@ -238,11 +238,23 @@ def ensure_master(cfg: MasterConfig, lock_dir: Path | None = None) -> EmbeddedMa
         raise MasterError(f"no Mooncake master answers at {cfg.address}; start one "
                           "(`kvtier master`) or set master.embedded: true")
     lock_dir = lock_dir or kvtier_home()
-    make_private_dirs(lock_dir)
-    with private_file(lock_dir / f"master-{cfg.port}.lock", "w") as lock:
+    return start_unless_answering(
+        cfg.address, lock_dir / f"master-{cfg.port}.lock",
+        lambda: EmbeddedMaster(cfg, log_path=lock_dir / f"master-{cfg.port}.log").start())
+
+
+def start_unless_answering(address: str, lock_path: Path, start) -> "ChildProcess | None":
+    """`start()` a child to serve `address` and own it, unless something answers there.
+
+    Of processes racing here, the one holding the exclusive lock on `lock_path` checks again
+    and starts the child; the others then find it answering and get None (they join it). An
+    owned child is stopped at interpreter exit.
+    """
+    make_private_dirs(lock_path.parent)
+    with private_file(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if master_answers(cfg.address):
+        if master_answers(address):
             return None
-        master = EmbeddedMaster(cfg, log_path=lock_dir / f"master-{cfg.port}.log").start()
-    atexit.register(master.stop)
-    return master
+        child = start()
+    atexit.register(child.stop)
+    return child

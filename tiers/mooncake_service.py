@@ -17,8 +17,6 @@ setting for that, as for embedded clients: README, "Known limits").
 
 from __future__ import annotations
 
-import atexit
-import fcntl
 import os
 import re
 import subprocess
@@ -30,7 +28,7 @@ from kvtier.store.config import MasterConfig, MooncakeTierConfig, kvtier_home
 from kvtier.store.errors import MasterError
 from kvtier.store.index import make_private_dirs
 from kvtier.store.master import (ChildProcess, check_shared_libraries, find_mooncake_binary,
-                                 master_answers, private_file)
+                                 master_answers, private_file, start_unless_answering)
 
 BINARY = "mooncake_client"
 START_TIMEOUT_S = 20.0
@@ -148,12 +146,7 @@ def ensure_service(cfg: MooncakeTierConfig, master: MasterConfig,
         raise MasterError(f"no pool service answers at {cfg.service}; start one (`kvtier "
                           "pool-service`) or set service_embedded: true")
     home = home or kvtier_home()
-    make_private_dirs(home)
     port = cfg.service.rsplit(":", 1)[1]
-    with private_file(home / f"pool-{port}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if master_answers(cfg.service):
-            return None
-        service = PoolService(cfg, master, log_path=service_log(cfg, home)).start()
-    atexit.register(service.stop)
-    return service
+    return start_unless_answering(
+        cfg.service, home / f"pool-{port}.lock",
+        lambda: PoolService(cfg, master, log_path=service_log(cfg, home)).start())
