@@ -98,10 +98,15 @@ class MasterConfig(BaseModel):
 
 
 class MoverConfig(BaseModel):
-    """The background mover: demotion, persistence, promotion and prefetch, bounded."""
+    """The background mover: demotion, persistence, promotion and prefetch, bounded.
+
+    `buffer`: the arena every copy goes through. `hold`: memory for copies of just-saved
+    frames, kept until they are persisted when the first tier may drop them first (unset:
+    as much as `buffer`; 0: never copy, persist only by reading the first tier back)."""
 
     model_config = _FROZEN
     buffer_bytes: Size = Field(default=256 << 20, alias="buffer", gt=0)
+    hold_bytes: Size | None = Field(default=None, alias="hold", ge=0)
     batch_blocks: int = Field(default=32, ge=1, le=4096)
     queue_blocks: int = Field(default=65536, ge=1)
     interval_s: float = Field(default=0.2, gt=0)

@@ -51,7 +51,8 @@ class Mover:
         self._queues: dict[str, collections.deque] = {"persist": collections.deque(),
                                                      "promote": collections.deque()}
         self._queued = 0
-        self.hold = FrameHold(self.cfg.buffer_bytes)
+        self.hold = FrameHold(self.cfg.buffer_bytes if self.cfg.hold_bytes is None
+                              else self.cfg.hold_bytes)
         self.risk = PersistRisk(self.cfg.low_watermark)
         self._cv = threading.Condition()
         self._stop = False

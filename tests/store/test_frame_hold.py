@@ -220,6 +220,24 @@ def test_a_persist_miss_is_counted_and_the_next_saves_are_held(tmp_path, shared_
         assert store.lookup(then).hit_blocks == 4 and MISS not in loaded(store, then)
 
 
+def test_with_no_hold_budget_saves_at_risk_are_read_back_and_counted(tmp_path, shared_master):
+    """`mover.hold: 0` turns the copies off: after a persist miss the next saves are not
+    held, `unheld` counts them, and a pool that drops them loses them below too."""
+    keys = block_keys(NS, range(16 * 8))
+    first, then = keys[:4], keys[4:]
+    policy = node_policy(tmp_path, shared_master, pool="64MiB", hold="0")
+    assert policy.mover.hold_bytes == 0
+    with TieredStore(policy, mover=False) as store:
+        save_batch(store, first)
+        store.tiers[0].delete(first)
+        store.mover.drain()
+        save_batch(store, then)  # at risk now, but there is no budget to hold them
+        assert store.mover.stats["held"] == 0 and store.usage()["dram"]["unheld"] == 4
+        store.tiers[0].delete(then)
+        store.mover.drain()
+        assert below(store, then) == {"nvme": 0, "shared": 0}
+
+
 def test_a_dropped_persist_releases_its_copies(tmp_path, shared_master):
     keys = block_keys(NS, range(16 * 24))
     policy = node_policy(tmp_path, shared_master, queue_blocks=8)
