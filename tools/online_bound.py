@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.tools.synthetic import SyntheticSpec, _Z99
+from kvtier.store.session_stats import survival
+from kvtier.tools.synthetic import SyntheticSpec
 from kvtier.tools.traces import Workload
 
 DT_S = 0.25          # the price path's time step
@@ -80,15 +81,6 @@ def returns_of(w: Workload) -> Returns:
                    shared_tokens, float(w.input_tokens.sum()))
 
 
-def _lognormal(spec: SyntheticSpec, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    mu = math.log(spec.gap_median_s)
-    sigma = math.log(spec.gap_p99_s / spec.gap_median_s) / _Z99
-    with np.errstate(divide="ignore"):
-        z = (np.log(e) - mu) / (sigma * math.sqrt(2.0))
-    cdf = 0.5 * (1.0 + np.vectorize(math.erf)(z))
-    return cdf, 1.0 - cdf
-
-
 def _dual(lam: np.ndarray, r: Returns, idx: np.ndarray, step_cost: np.ndarray,
           cdf_end: np.ndarray, capacity: float) -> tuple[float, np.ndarray]:
     """The bound for price path `lam` and its subgradient."""
@@ -110,7 +102,9 @@ def _bound(r: Returns, capacity: float, spec: SyntheticSpec) -> float:
         return 0.0
     steps = int(HORIZON_S / DT_S)
     edges = np.arange(steps + 1) * DT_S
-    cdf, surv = _lognormal(spec, edges)
+    mu, sigma = spec.gap_lognormal()
+    surv = np.array([survival(float(x), mu, sigma) for x in edges])
+    cdf = 1.0 - surv
     cdf_end = cdf[1:].copy()
     cdf_end[-1] = 1.0                                     # beyond the horizon: a free hit
     step_cost = surv[:-1] * DT_S                          # E[time held in step j] per token

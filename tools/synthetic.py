@@ -50,12 +50,17 @@ class SyntheticSpec:
         if not 0 < self.gap_median_s < self.gap_p99_s:
             raise TraceError("synthetic: need 0 < gap_median_s < gap_p99_s")
 
+    def gap_lognormal(self) -> tuple[float, float]:
+        """(mu, sigma) of the log-normal gap with this median and P99."""
+        return (math.log(self.gap_median_s),
+                math.log(self.gap_p99_s / self.gap_median_s) / _Z99)
+
 
 def synthetic(spec: SyntheticSpec = SyntheticSpec()) -> Workload:
     """Generate the workload (see the module docstring)."""
     spec.check()
     rng = np.random.default_rng(spec.seed)
-    mu, sigma = math.log(spec.gap_median_s), math.log(spec.gap_p99_s / spec.gap_median_s) / _Z99
+    mu, sigma = spec.gap_lognormal()
     shared_blocks = spec.system_tokens // spec.block_tokens
     step = spec.turn_input_tokens + spec.output_tokens
     inputs = spec.system_tokens + spec.first_input_tokens + step * np.arange(spec.turns)
