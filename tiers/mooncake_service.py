@@ -91,6 +91,12 @@ class PoolService(ChildProcess):
         raise MasterError(f"the pool service did not answer on {self.address} within "
                           f"{START_TIMEOUT_S:.0f}s; see {self.log_path}")
 
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the service and withdraw its segment name (left behind, one small file per
+        port would pile up in the temp dir, and name a segment that no longer exists)."""
+        super().stop(timeout_s)
+        segment_file(self.address).unlink(missing_ok=True)
+
     def _publish_segment(self) -> None:
         """Write the segment's name where every process on the node finds it by port."""
         segment = service_segment(self.log_path)

@@ -72,6 +72,7 @@ def test_first_tier_starts_the_service_and_the_next_joins_it(tmp_path, mooncake_
         b.close()
         a.close()
         a.client.owned_service.stop()
+    assert read_segment(address) == ""  # the stopped service withdrew its segment's name
 
 
 def test_shared_memory_is_zero_copy_and_foreign_memory_is_staged(tmp_path, mooncake_master):
