@@ -2,8 +2,8 @@
 
 - `get_num_new_matched_tokens`: keys for the request's full chunks (leaving at least one
   token to compute), one batched `store.lookup` of the whole chain (the store attaches the
-  request to its session by it), and the part of the hit beyond vLLM's local hit, loaded
-  asynchronously. The hit is in whole chunks; a chunk that starts inside the local hit is
+  request to its session by it; only the chunks past vLLM's local hit are looked for in the
+  tiers), and the part of the hit beyond vLLM's local hit, loaded asynchronously. The hit is in whole chunks; a chunk that starts inside the local hit is
   loaded without overwriting the local blocks.
 - `update_state_after_alloc`: turns the hit into a `LoadJob` over the allocated blocks.
 - `build_connector_meta`: tracks every scheduled request's block ids, and emits a `SaveJob`
@@ -108,19 +108,21 @@ class SchedulerSide:
         if st is None or limit == 0:
             return 0, False
         # The whole chain from the first chunk, also when vLLM holds a prefix locally: the
-        # store attaches the request to its session by it, and touches what is held.
+        # store attaches the request to its session by it, and touches what is held. Only
+        # the chunks past the local hit are looked for in the tiers.
         keys = self._keys(st, limit)
+        first = num_computed // self.chunk
         t0 = time.perf_counter()
         try:
-            found = self.store.lookup(keys, st.hint)
+            found = self.store.lookup(keys, st.hint, held=min(first, limit))
         except KVTierError as e:
             log.warning("kvtier: lookup failed, serving request %s without it: %s",
                         request.request_id, e)
             return 0, False
         st.looked_up = keys
-        log.debug("kvtier: lookup %s: %d of %d chunks in %.2f ms", request.request_id,
-                  found.hit_blocks, limit, (time.perf_counter() - t0) * 1e3)
-        first = num_computed // self.chunk
+        log.debug("kvtier: lookup %s: %d of %d chunks (%d held locally) in %.2f ms",
+                  request.request_id, found.hit_blocks, limit, min(first, limit),
+                  (time.perf_counter() - t0) * 1e3)
         self.stats.add("lookups")
         self.stats.add("lookup_tokens", max(0, limit * self.chunk - num_computed))
         external = found.hit_blocks * self.chunk - num_computed

@@ -71,8 +71,9 @@ class Placement:
 
     # ---- events from the data path ------------------------------------------------------
 
-    def on_lookup(self, keys: Sequence[str], hits: int, hint) -> None:
-        """A request arrived: attach it to its session, pin and touch its hit blocks."""
+    def on_lookup(self, keys: Sequence[str], hits: int, hint, held: int = 0) -> None:
+        """A request arrived: attach it to its session, touch its hit blocks and pin those
+        it may load (after the `held` ones the caller has already)."""
         if not keys:
             return
         now = self.clock()
@@ -83,8 +84,9 @@ class Placement:
                 turn = self.sessions.observe(keys, now, session=sid, expected_gap_s=gap)
                 self._open[keys[-1]] = turn.session
             until = now + PIN_S
-            for key in keys[:hits]:
-                self._pins[key] = until
+            for i, key in enumerate(keys[:hits]):
+                if i >= held:
+                    self._pins[key] = until
                 meta = self.sessions.meta(key)
                 for pol in self.policies.values():
                     if key in pol:

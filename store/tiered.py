@@ -52,10 +52,11 @@ class SessionHint:
 
 @dataclass(frozen=True)
 class LookupResult:
-    """`hit_blocks`: length of the held prefix; `tiers[i]`: the fastest tier holding block i."""
+    """`hit_blocks`: length of the held prefix; `tiers[i]`: the fastest tier holding block i
+    (None for the blocks the caller said it holds)."""
 
     hit_blocks: int
-    tiers: tuple[str, ...]
+    tiers: tuple[str | None, ...]
 
 
 class TieredStore:
@@ -89,12 +90,21 @@ class TieredStore:
 
     # ---- the data path ------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[str], hint: SessionHint | None = None) -> LookupResult:
-        """The longest prefix of `keys` present in any tier; never blocks on the mover."""
+    def lookup(self, keys: Sequence[str], hint: SessionHint | None = None,
+               held: int = 0) -> LookupResult:
+        """The longest prefix of `keys` present in any tier; never blocks on the mover.
+
+        `held`: leading blocks the caller already has (vLLM's local prefix cache). They count
+        in the prefix and attach the request to its session, and are touched where this node
+        tracks them, but no tier is asked about them and they are not pinned for a load: a
+        16K-token local hit would otherwise pay a 511-key pool query for nothing.
+        `tiers[i]` is None for those."""
         check_keys(keys)
+        if not 0 <= held <= len(keys):
+            raise ValueError(f"held={held} is outside 0..{len(keys)} (the number of keys)")
         found: list[str | None] = [None] * len(keys)
         for tier in self.tiers:
-            todo = [i for i in range(len(keys)) if found[i] is None]
+            todo = [i for i in range(held, len(keys)) if found[i] is None]
             if not todo:
                 break
             try:
@@ -105,9 +115,9 @@ class TieredStore:
             for i, hit in zip(todo, present):
                 if hit:
                     found[i] = tier.name
-        hits = next((i for i, t in enumerate(found) if t is None), len(keys))
-        self.placement.on_lookup(keys, hits, hint)
-        return LookupResult(hits, tuple(found[:hits]))  # type: ignore[arg-type]
+        hits = next((i for i in range(held, len(keys)) if found[i] is None), len(keys))
+        self.placement.on_lookup(keys, hits, hint, held)
+        return LookupResult(hits, tuple(found[:hits]))
 
     def load(self, keys: Sequence[str], outs: Sequence[memoryview],
              where: Sequence[str | None] | None = None) -> list[int]:

@@ -185,6 +185,18 @@ def test_load_starting_inside_a_local_hit_keeps_the_local_blocks(sides):
         assert torch.equal(a, b)
 
 
+def test_chunks_held_locally_are_not_looked_for(sides):
+    tokens = random_prompt(7, 300)
+    save_prompt(sides, "r1", tokens, list(range(0, 10)))
+    keys = block_keys(sides.sched.ns, tokens, b"")
+    sides.sched.store.by_name["shared"].delete([keys[0]])  # kvtier lost what vLLM still has
+    dst = list(range(60, 70))
+    _, n = load_into(sides, "r2", tokens, dst, local=CHUNK)
+    assert n == 3 * CHUNK  # the chunks past the local hit, though kvtier lacks the first
+    for a, b in zip(blocks_of(sides.caches, range(2, 8)), blocks_of(sides.caches, dst[2:8])):
+        assert torch.equal(a, b)
+
+
 def test_corrupt_chunk_fails_its_blocks_and_every_later_one(sides):
     tokens = random_prompt(3, 300)
     save_prompt(sides, "r1", tokens, list(range(0, 10)))

@@ -116,6 +116,26 @@ def test_prefix_stops_at_the_first_missing_block(tmp_path, shared_master):
         assert store.lookup(keys).hit_blocks == 6
 
 
+def test_blocks_the_caller_holds_are_not_looked_for(tmp_path, shared_master):
+    keys = block_keys(NS, range(16 * 6))
+    with TieredStore(small_policy(tmp_path, shared_master), mover=False) as store:
+        store.save(keys[2:], frames_for(keys[2:]))  # the first two only the caller has
+        asked = []
+        for tier in store.tiers:
+            real = tier.contains
+            tier.contains = lambda ks, real=real: asked.extend(ks) or real(ks)
+        found = store.lookup(keys, held=2)
+        assert found.hit_blocks == 6 and found.tiers == (None, None, *["dram"] * 4)
+        assert asked == keys[2:]  # one pool query, for the blocks past the local hit
+        pinned = store.placement._pins
+        assert keys[0] not in pinned and all(k in pinned for k in keys[2:])
+        asked.clear()
+        assert store.lookup(keys, held=6).hit_blocks == 6 and asked == []
+        assert store.lookup(keys).hit_blocks == 0  # asked from the first, the prefix breaks
+        with pytest.raises(ValueError, match="held=7"):
+            store.lookup(keys, held=7)
+
+
 def test_reopen_finds_persisted_blocks(tmp_path, shared_master):
     keys = block_keys(NS, range(16 * 4))
     policy = small_policy(tmp_path, shared_master)
