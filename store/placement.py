@@ -87,9 +87,10 @@ class Placement:
             for i, key in enumerate(keys[:hits]):
                 if i >= held:
                     self._pins[key] = until
-                meta = self.sessions.meta(key)
+                meta = None  # only for blocks this node tracks (the pool holds others')
                 for pol in self.policies.values():
                     if key in pol:
+                        meta = meta or self.sessions.meta(key)
                         pol.on_access(key, now, meta)
 
     def on_hit(self, tier, keys: Sequence[str]) -> None:
@@ -99,7 +100,8 @@ class Placement:
             pol = self.policies[tier.name]
             for key in keys:
                 self._pins.pop(key, None)
-                pol.on_access(key, now, self.sessions.meta(key))
+                if key in pol:  # not a block another node put in the pool
+                    pol.on_access(key, now, self.sessions.meta(key))
 
     def on_insert(self, tier, keys: Sequence[str], sizes: Sequence[int], hint) -> None:
         now = self.clock()
