@@ -140,8 +140,9 @@ class _Host:
                             output_kind=RequestOutputKind.DELTA,
                             extra_args={"kv_transfer_params": p} if p else None)
         try:
-            # rendered as LLM.generate renders its prompts
-            prompt = self.llm._preprocess_cmpl_one(TokensPrompt(prompt_token_ids=cmd["prompt"]))
+            # rendered by the engine's renderer, as add_request asks (LLM.generate does too)
+            (prompt,) = self.engine.renderer.render_cmpl(
+                [TokensPrompt(prompt_token_ids=cmd["prompt"])])
             self.engine.add_request(cmd["id"], prompt, sp)
         except Exception as e:  # vLLM refused this request (too long, bad params): say so
             _reply({"event": "failed", "id": cmd["id"], "error": f"{type(e).__name__}: {e}"})
