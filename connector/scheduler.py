@@ -3,8 +3,9 @@
 - `get_num_new_matched_tokens`: keys for the request's full chunks (leaving at least one
   token to compute), one batched `store.lookup` of the whole chain (the store attaches the
   request to its session by it; only the chunks past vLLM's local hit are looked for in the
-  tiers), and the part of the hit beyond vLLM's local hit, loaded asynchronously. The hit is in whole chunks; a chunk that starts inside the local hit is
-  loaded without overwriting the local blocks.
+  tiers), and the part of the hit beyond vLLM's local hit, loaded asynchronously. The hit is
+  in whole chunks; a chunk that starts inside the local hit is loaded without overwriting the
+  local blocks.
 - `update_state_after_alloc`: turns the hit into a `LoadJob` over the allocated blocks.
 - `build_connector_meta`: tracks every scheduled request's block ids, and emits a `SaveJob`
   for each chunk whose KV is complete after this step and not known to be in kvtier
