@@ -9,7 +9,6 @@ vectorized pass, the quantities the agentic policy ranks by. Pure arithmetic.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
 
 import numpy as np
 
@@ -144,11 +143,6 @@ class SessionSlots:
             self.alive[i], self.active[i] = snap.alive, snap.active
             self.busy[i] = snap.busy_s
 
-    def idle(self, now: float) -> np.ndarray:
-        """Seconds since each unit's gap clock started; 0 while its session is being served
-        (its next turn follows this one)."""
-        return np.where(self.active, 0.0, now - self.since)
-
     def dead(self, now, idx=slice(None)) -> np.ndarray:
         """Seconds each unit of `idx` must still be held before its next read can come: the
         rest of its session's turn in service, estimated by the length of its last turn; 0
@@ -158,6 +152,7 @@ class SessionSlots:
 
     def columns(self, now, idx=slice(None)) -> tuple:
         """(idle, mu, sigma, alive, level) of the slots `idx` at time(s) `now`: the inputs
-        of the indices."""
+        of the indices. idle: seconds since each unit's gap clock started; 0 while its
+        session is being served (its next turn follows this one)."""
         idle = np.where(self.active[idx], 0.0, now - self.since[idx])
         return idle, self.mu[idx], self.sigma[idx], self.alive[idx], self.level[idx]
