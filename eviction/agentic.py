@@ -211,6 +211,11 @@ class AgenticPolicy(EvictionPolicy):
             self.orphan.move_to_end(key)
         self._refresh(unit[0], now)
 
+    def on_tick(self, now: float) -> None:
+        """Re-read the sessions that changed since the last event (a turn that ended while
+        this tier heard nothing would otherwise look served forever, never due back)."""
+        self._refresh(None, now)
+
     def on_remove(self, key: Key) -> None:
         if key not in self.entry:
             return

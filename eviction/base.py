@@ -14,6 +14,10 @@ Primitives:
 - Optional, for the mover: `select_demotions(now, max_bytes)` (move down proactively, with
   no capacity pressure) and `select_prefetch(now, max_bytes)` (keys of this tier to promote
   to the tier above before they are needed). Both default to nothing.
+- `on_tick(now)`: time has passed with no event on this tier (the mover calls it before it
+  asks for victims, demotions or prefetches). A policy that keeps predictions of sessions
+  catches up on what the session tracker learned since its last event: a turn that ended
+  while this tier heard nothing. Default: nothing.
 
 The caller guarantees:
 - calls are serialized (policies are not thread-safe) and `now` never decreases;
@@ -130,6 +134,9 @@ class EvictionPolicy(ABC):
     def select_victims(self, need_bytes: int, now: float,
                        skip: Collection[Key] = ()) -> list[Key]:
         """Keys to remove, in order, freeing at least `need_bytes`. No side effects."""
+
+    def on_tick(self, now: float) -> None:
+        """Time has passed with no event on this tier (default: nothing to catch up on)."""
 
     def select_demotions(self, now: float, max_bytes: int) -> list[Key]:
         """Keys to move down now although the tier is not full (default: none)."""

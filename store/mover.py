@@ -171,6 +171,8 @@ class Mover:
                         self._promote(batch, src)
             finally:
                 self.copier.release(held)  # copied or failed: the pool's copy is what is left
+                if kind == "promote":
+                    self.store.placement.prefetch_settled(keys)
                 with self._cv:
                     self._queued -= len(keys)  # counted until done, so pending() is exact
 

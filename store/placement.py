@@ -7,6 +7,9 @@ which to prefetch, what a capacity tier may absorb, how big a block's frame is.
 
 Policies are not thread-safe: every call goes through one lock. Blocks a lookup has just
 promised to the caller are pinned for `PIN_S` so no eviction takes them before the load.
+A block is offered for prefetch only while the first tier does not hold it, and once per
+promotion: it is marked in flight until the mover reports the promotion settled (or for
+`PREFETCH_GIVE_UP_S`), so a session that comes back again and again is lifted each time.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from kvtier.store.session_store import delete_sessions, write_sessions
 from kvtier.store.sessions import SessionTracker
 
 PIN_S = 30.0
+# A prefetch the mover has not landed by then (its queue was full, its source lost the block)
+# may be offered again.
+PREFETCH_GIVE_UP_S = 60.0
 # Bytes per second from each kind of tier to the one above (DESIGN.md's measurements);
 # the agentic policy starts a prefetch this long before a session's predicted return.
 RESTORE_BPS = {"mooncake": 8e9, "nvme": 1.5e9, "sharedfs": 0.5e9}
@@ -54,7 +60,7 @@ class Placement:
         self._max_frame = 0
         self._pins: dict[str, float] = {}
         self._open: dict[str, object] = {}  # last key of a request in flight -> its session
-        self._prefetching: set[str] = set()
+        self._prefetching: dict[str, float] = {}  # key -> when to stop waiting for it
         self._load_index(index)
 
     def _load_index(self, index) -> None:
@@ -108,13 +114,23 @@ class Placement:
         with self._lock:
             for key, size in zip(keys, sizes):
                 self._track(tier.name, key, size, now)
-            self._prefetching.difference_update(keys)
+            for key in keys:
+                self._prefetching.pop(key, None)
 
     def on_remove(self, tier, keys: Sequence[str]) -> None:
+        """`tier` dropped these blocks; a block no tier of this node tracks is forgotten."""
         with self._lock:
             pol = self.policies[tier.name]
             for key in keys:
                 pol.on_remove(key)
+                if not any(key in other for other in self.policies.values()):
+                    self._sizes.pop(key, None)
+
+    def prefetch_settled(self, keys: Sequence[str]) -> None:
+        """The mover finished promoting `keys` (landed, already there, or failed)."""
+        with self._lock:
+            for key in keys:
+                self._prefetching.pop(key, None)
 
     def on_finish(self, keys: Sequence[str], hint) -> None:
         """The request ended: the session's gap clock starts."""
@@ -138,6 +154,7 @@ class Placement:
         """What to remove from `tier` to free `need_bytes` (pinned blocks are skipped)."""
         now = self.clock()
         with self._lock:
+            self._tick(now)
             self._pins = {k: t for k, t in self._pins.items() if t > now}
             return list(self.policies[tier.name].select_victims(need_bytes, now,
                                                                 skip=self._pins))
@@ -145,6 +162,7 @@ class Placement:
     def demotions(self, tier, max_bytes: int) -> list[str]:
         with self._lock:
             now = self.clock()
+            self._tick(now)
             return [k for k in self.policies[tier.name].select_demotions(now, max_bytes)
                     if self._pins.get(k, 0) <= now]
 
@@ -153,13 +171,20 @@ class Placement:
         out: dict[str, list[str]] = {}
         with self._lock:
             now = self.clock()
+            self._tick(now)
+            self._prefetching = {k: t for k, t in self._prefetching.items() if t > now}
+            first = self.policies[self.tiers[0].name]
             for tier in self.tiers[1:]:
                 keys = [k for k in self.policies[tier.name].select_prefetch(now, max_bytes)
-                        if k not in self._prefetching]
+                        if k not in self._prefetching and k not in first]
                 if keys:
                     out[tier.name] = keys
-                    self._prefetching.update(keys)
+                    self._prefetching.update(dict.fromkeys(keys, now + PREFETCH_GIVE_UP_S))
         return out
+
+    def _tick(self, now: float) -> None:
+        for pol in self.policies.values():
+            pol.on_tick(now)
 
     def admit(self, tier, keys: Sequence[str]) -> list[bool]:
         """May `tier` absorb these blocks (write budget and likelihood of reuse)?"""

@@ -148,3 +148,20 @@ def test_vectorized_math_matches_the_scalar_one(x):
 def test_share_levels_are_powers_of_two():
     assert [share_level(n, 2) for n in (1, 2, 3, 4, 5, 1000, 10**6)] == \
         [1, 2, 4, 4, 8, 1024, 1024]
+
+
+def test_a_turn_that_ended_unheard_is_caught_up_on_tick():
+    """A session comes back and is served from this tier, and its turn ends with no event
+    here. Without `on_tick` it would look served forever and never be due back."""
+    tr = trained_tracker()
+    now = 10_000.0
+    sid, keys = session_with(tr, "t", now, "tool")
+    pol = policy(tr, restore_bps=3.0)
+    for k in keys:
+        pol.on_insert(k, 1, now + 0.2, tr.meta(k))
+    tr.observe(keys, now + 5.0)
+    pol.on_access(keys[0], now + 5.0, tr.meta(keys[0]))  # back: being served
+    tr.end_turn(sid, now + 5.1, "tool")                    # done, unheard by the tier
+    pol.on_tick(now + 6.0)
+    assert pol.select_prefetch(now + 6.0, 100) == []       # a tool wait: not yet
+    assert pol.select_prefetch(now + 7.6, 100) == keys     # its return is near: lift it

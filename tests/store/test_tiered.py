@@ -39,9 +39,10 @@ def outs_for(n):
     return [block.alloc_aligned(block.frame_size(PAYLOAD, block.PAGE)) for _ in range(n)]
 
 
-def small_policy(root, master, **mover):
+def small_policy(root, master, eviction=None, **mover):
+    extra = {"eviction": eviction} if eviction else {}
     return make_policy(
-        root, master_address=master.address,
+        root, master_address=master.address, **extra,
         mover={"interval_s": 0.05, "buffer": "8MiB", **mover},
         tiers=[
             {"name": "dram", "kind": "mooncake", "capacity": "16MiB", "buffer": "16MiB",
@@ -165,6 +166,60 @@ def test_watermark_demotes_instead_of_dropping(tmp_path, shared_master):
         found = store.lookup(keys)
         assert found.hit_blocks == n  # every block is still somewhere
         assert check_loaded(store, keys) == [PAYLOAD] * n
+
+
+def test_blocks_gone_from_every_tier_are_forgotten(tmp_path, shared_master):
+    """The store's size memo lets go of a block no tier holds any more (it used to keep
+    every block it ever tracked: a leak over a server's lifetime)."""
+    keys = block_keys(NS, range(16 * 4))
+    with TieredStore(small_policy(tmp_path, shared_master), mover=False) as store:
+        store.save(keys, frames_for(keys))
+        store.mover.drain()
+        assert set(keys) <= set(store.placement._sizes)
+        for tier in store.tiers[:-1]:  # each tier down to the next, then out of the last
+            store.mover.demote(tier, keys)
+            assert set(keys) <= set(store.placement._sizes), tier.name
+        store.mover.demote(store.tiers[-1], keys)
+        assert store.lookup(keys).hit_blocks == 0
+        assert not set(keys) & set(store.placement._sizes)
+
+
+def test_a_session_coming_back_again_is_prefetched_again(tmp_path, shared_master):
+    """Each return of a demoted session lifts its blocks: the in-flight mark ends with the
+    promotion, and blocks the pool already holds are not offered (they used to stay marked
+    for good, so a session was prefetched once in its life)."""
+    now = [10_000.0]
+    policy = small_policy(tmp_path, shared_master, eviction={"kind": "agentic"})
+    keys = block_keys(NS, range(16 * 4))
+    # Agentic lifts a session once the time left to its likely return is down to the time a
+    # restore takes: for 4 small blocks from nvme that is under a millisecond, so the gap
+    # is a few milliseconds and the clock moves in steps of a tenth of one.
+    hint = SessionHint("agent", expected_gap_s=0.002)
+    with TieredStore(policy, mover=False, clock=lambda: now[0]) as store:
+        dram, nvme = store.tiers[0], store.by_name["nvme"]
+        store.lookup(keys, hint)
+        store.save(keys, frames_for(keys), hint)
+        store.mover.drain()  # persisted below
+        store.finish(keys, hint)
+
+        def demote_and_wait_until_due():
+            store.mover.demote(dram, keys)
+            assert dram.contains(keys) == [False] * 4 and nvme.contains(keys) == [True] * 4
+            for _ in range(400):
+                now[0] += 0.0001
+                store.mover.tick()
+                if store.mover.pending():
+                    return
+            raise AssertionError("the demoted session never became due for prefetch")
+
+        for round_ in range(3):
+            demote_and_wait_until_due()
+            assert store.mover.pending() == 4, round_
+            store.mover.drain()
+            assert dram.contains(keys) == [True] * 4, round_
+            store.mover.tick()
+            assert store.mover.pending() == 0  # in the pool already: not offered again
+        assert nvme.contains(keys) == [True] * 4
 
 
 class TieredMachine(RuleBasedStateMachine):
