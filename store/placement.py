@@ -89,11 +89,10 @@ class Placement:
                 gap = getattr(hint, "expected_gap_s", None)
                 turn = self.sessions.observe(keys, now, session=sid, expected_gap_s=gap)
                 self._open[keys[-1]] = turn.session
-            until = now + PIN_S
-            for i, key in enumerate(keys[:hits]):
-                if i >= held:
-                    self._pins[key] = until
-                meta = None  # only for blocks this node tracks (the pool holds others')
+            self._pins.update(dict.fromkeys(keys[held:hits], now + PIN_S))
+            # Only blocks this node tracks (`_sizes` holds every one); the pool holds others'.
+            for key in [k for k in keys[:hits] if k in self._sizes]:
+                meta = None
                 for pol in self.policies.values():
                     if key in pol:
                         meta = meta or self.sessions.meta(key)
