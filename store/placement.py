@@ -14,6 +14,7 @@ promotion: it is marked in flight until the mover reports the promotion settled 
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import secrets
@@ -32,6 +33,9 @@ PIN_S = 30.0
 # A prefetch the mover has not landed by then (its queue was full, its source lost the block)
 # may be offered again.
 PREFETCH_GIVE_UP_S = 60.0
+# Requests looked up and never finished (a resumed request looks up a longer chain) are
+# forgotten, oldest first, beyond this many.
+MAX_OPEN_REQUESTS = 65536
 # Bytes per second from each kind of tier to the one above (DESIGN.md's measurements);
 # the agentic policy starts a prefetch this long before a session's predicted return.
 RESTORE_BPS = {"mooncake": 8e9, "nvme": 1.5e9, "sharedfs": 0.5e9}
@@ -59,7 +63,9 @@ class Placement:
         self._sizes: dict[str, int] = {}
         self._max_frame = 0
         self._pins: dict[str, float] = {}
-        self._open: dict[str, object] = {}  # last key of a request in flight -> its session
+        # last key of a request in flight -> its session
+        self._open: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._pins_pruned = 0.0
         self._prefetching: dict[str, float] = {}  # key -> when to stop waiting for it
         self._load_index(index)
 
@@ -89,6 +95,8 @@ class Placement:
                 gap = getattr(hint, "expected_gap_s", None)
                 turn = self.sessions.observe(keys, now, session=sid, expected_gap_s=gap)
                 self._open[keys[-1]] = turn.session
+                if len(self._open) > MAX_OPEN_REQUESTS:
+                    self._open.popitem(last=False)
             self._pins.update(dict.fromkeys(keys[held:hits], now + PIN_S))
             # Only blocks this node tracks (`_sizes` holds every one); the pool holds others'.
             for key in [k for k in keys[:hits] if k in self._sizes]:
@@ -184,6 +192,11 @@ class Placement:
     def _tick(self, now: float) -> None:
         for pol in self.policies.values():
             pol.on_tick(now)
+        # Pins of blocks never loaded here (in a multi-process engine the scheduler looks up
+        # and another process loads) expire; without eviction pressure nothing else drops them.
+        if now - self._pins_pruned >= PIN_S:
+            self._pins_pruned = now
+            self._pins = {k: t for k, t in self._pins.items() if t > now}
 
     def admit(self, tier, keys: Sequence[str]) -> list[bool]:
         """May `tier` absorb these blocks (write budget and likelihood of reuse)?"""

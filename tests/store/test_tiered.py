@@ -184,6 +184,30 @@ def test_blocks_gone_from_every_tier_are_forgotten(tmp_path, shared_master):
         assert not set(keys) & set(store.placement._sizes)
 
 
+def test_lookups_never_finished_or_loaded_leave_nothing_behind(tmp_path, shared_master,
+                                                               monkeypatch):
+    """A lookup pins the blocks it promises and opens a request; when the load happens in
+    another process (vLLM's multi-process engine) or the request is looked up again with a
+    longer chain (resumed after preemption), neither is cleared by the data path. Pins expire
+    on the mover's tick without any eviction pressure; open requests are bounded."""
+    from kvtier.store import placement
+    monkeypatch.setattr(placement, "MAX_OPEN_REQUESTS", 8)
+    now = [10_000.0]
+    keys = block_keys(NS, range(16 * 4))
+    with TieredStore(small_policy(tmp_path, shared_master), mover=False,
+                     clock=lambda: now[0]) as store:
+        store.save(keys, frames_for(keys))
+        assert store.lookup(keys).hit_blocks == 4
+        assert set(store.placement._pins) == set(keys)
+        now[0] += placement.PIN_S + 1
+        store.mover.tick()
+        assert store.placement._pins == {}
+        for n in range(1, 20):  # one chain growing, looked up again and again, never finished
+            chain = block_keys(NS, range(16 * (4 + n)))
+            store.lookup(chain)
+        assert len(store.placement._open) == 8
+
+
 def test_a_session_coming_back_again_is_prefetched_again(tmp_path, shared_master):
     """Each return of a demoted session lifts its blocks: the in-flight mark ends with the
     promotion, and blocks the pool already holds are not offered (they used to stay marked
