@@ -22,6 +22,7 @@ kvtier instead of being recomputed.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -140,8 +141,8 @@ class SchedulerSide:
         plan, st.plan = st.plan, None
         ids = blocks.get_block_ids()[0]
         n = min(plan.hits, -(-(plan.num_computed + num_external) // self.chunk) - plan.first)
-        rows = [[ids[c * self.m + j] for j in range(self.m)]
-                for c in range(plan.first, plan.first + n)]
+        m = self.m
+        rows = [ids[c * m:(c + 1) * m] for c in range(plan.first, plan.first + n)]
         skip = plan.num_computed // self.shape.block_size - plan.first * self.m
         self._loads.append(LoadJob(request.request_id, st.keys[plan.first:plan.first + n],
                                    rows, skip, list(plan.tiers[:n])))
@@ -153,8 +154,13 @@ class SchedulerSide:
         """Tokens promised per tier (stats), and per vLLM cache-hit source."""
         out: dict[CacheHitSource, int] = {}
         left = num_external
-        for i, tier in enumerate(plan.tiers[:n]):
-            tokens = min(left, self.chunk - (plan.num_computed % self.chunk if i == 0 else 0))
+        first = True
+        for tier, run in itertools.groupby(plan.tiers[:n]):  # a run of chunks in one tier
+            cap = sum(1 for _ in run) * self.chunk
+            if first:
+                cap -= plan.num_computed % self.chunk
+                first = False
+            tokens = min(left, cap)
             left -= tokens
             self.stats.add(f"hit_tokens:{tier}", tokens)
             st.tier_tokens[tier] = st.tier_tokens.get(tier, 0) + tokens
