@@ -162,7 +162,7 @@ class Placement:
         now = self.clock()
         with self._lock:
             self._tick(now)
-            self._pins = {k: t for k, t in self._pins.items() if t > now}
+            self._prune_pins(now)
             return list(self.policies[tier.name].select_victims(need_bytes, now,
                                                                 skip=self._pins))
 
@@ -195,8 +195,11 @@ class Placement:
         # Pins of blocks never loaded here (in a multi-process engine the scheduler looks up
         # and another process loads) expire; without eviction pressure nothing else drops them.
         if now - self._pins_pruned >= PIN_S:
-            self._pins_pruned = now
-            self._pins = {k: t for k, t in self._pins.items() if t > now}
+            self._prune_pins(now)
+
+    def _prune_pins(self, now: float) -> None:
+        self._pins_pruned = now
+        self._pins = {k: t for k, t in self._pins.items() if t > now}
 
     def admit(self, tier, keys: Sequence[str]) -> list[bool]:
         """May `tier` absorb these blocks (write budget and likelihood of reuse)?"""
