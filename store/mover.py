@@ -171,8 +171,6 @@ class Mover:
                         self._promote(batch, src)
             finally:
                 self.copier.release(held)  # copied or failed: the pool's copy is what is left
-                if kind == "promote":
-                    self.store.placement.prefetch_settled(keys)
                 with self._cv:
                     self._queued -= len(keys)  # counted until done, so pending() is exact
 
@@ -235,9 +233,16 @@ class Mover:
     def _promote(self, keys: list[str], src: str) -> None:
         first = self.store.tiers[0]
         todo = [k for k, held in zip(keys, first.contains(keys)) if not held]
-        if todo:
+        if not todo:
+            return
+        try:
             self.make_room(first, sum(self.store.placement.frame_bytes(k) for k in todo))
             self.copier.copy(self.store.by_name[src], first, todo, why="promote")
+        finally:
+            # Landed blocks were unmarked as they went in; the others may be offered again.
+            # Blocks another node had already lifted stay marked until the give-up time, so
+            # they are not asked about every tick.
+            self.store.placement.prefetch_settled(todo)
 
     # ---- room ---------------------------------------------------------------------------
 

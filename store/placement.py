@@ -8,8 +8,9 @@ which to prefetch, what a capacity tier may absorb, how big a block's frame is.
 Policies are not thread-safe: every call goes through one lock. Blocks a lookup has just
 promised to the caller are pinned for `PIN_S` so no eviction takes them before the load.
 A block is offered for prefetch only while the first tier does not hold it, and once per
-promotion: it is marked in flight until the mover reports the promotion settled (or for
-`PREFETCH_GIVE_UP_S`), so a session that comes back again and again is lifted each time.
+promotion: it is marked in flight until the mover reports its copy settled (or for
+`PREFETCH_GIVE_UP_S`: a block another node had already lifted), so a session that comes
+back again and again is lifted each time.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class Placement:
                     self._sizes.pop(key, None)
 
     def prefetch_settled(self, keys: Sequence[str]) -> None:
-        """The mover finished promoting `keys` (landed, already there, or failed)."""
+        """The mover finished copying `keys` up (each landed or failed)."""
         with self._lock:
             for key in keys:
                 self._prefetching.pop(key, None)

@@ -246,6 +246,39 @@ def test_a_session_coming_back_again_is_prefetched_again(tmp_path, shared_master
         assert nvme.contains(keys) == [True] * 4
 
 
+def test_blocks_another_node_lifted_are_not_asked_about_every_tick(tmp_path, shared_master):
+    """Node b wants its session's blocks back in the pool, but node a has put them there
+    already: b's mover finds them present, copies nothing, and does not offer them again
+    on the next ticks (each offer costs a pool query)."""
+    now = [10_000.0]
+    keys = block_keys(NS, range(16 * 4))
+    hint = SessionHint("agent", expected_gap_s=0.002)  # see the test above for the scale
+    with TieredStore(small_policy(tmp_path / "b", shared_master, eviction={"kind": "agentic"}),
+                     node_id="b", mover=False, clock=lambda: now[0]) as b, \
+            TieredStore(small_policy(tmp_path / "a", shared_master), node_id="a",
+                        mover=False) as a:
+        b.lookup(keys, hint)
+        b.save(keys, frames_for(keys), hint)
+        b.mover.drain()
+        b.finish(keys, hint)
+        b.mover.demote(b.tiers[0], keys)
+        assert b.tiers[0].contains(keys) == [False] * 4
+        a.save(keys, frames_for(keys))  # a lifts them first
+        for _ in range(400):
+            now[0] += 0.0001
+            b.mover.tick()
+            if b.mover.pending():
+                break
+        assert b.mover.pending() == 4
+        copied = b.mover.copier.stats.get("copied_nvme_dram", 0)
+        b.mover.drain()
+        assert b.mover.copier.stats.get("copied_nvme_dram", 0) == copied  # nothing to copy
+        for _ in range(5):
+            now[0] += 0.0001
+            b.mover.tick()
+            assert b.mover.pending() == 0
+
+
 class TieredMachine(RuleBasedStateMachine):
     """Random sessions, loads, ticks, pool losses and reopens against small tiers."""
 
