@@ -66,7 +66,7 @@ class Placement:
         self._pins: dict[str, float] = {}
         # last key of a request in flight -> its session
         self._open: collections.OrderedDict[str, object] = collections.OrderedDict()
-        self._pins_pruned = 0.0
+        self._pruned = 0.0  # when expired pins and prefetch marks were last dropped
         self._prefetching: dict[str, float] = {}  # key -> when to stop waiting for it
         self._load_index(index)
 
@@ -163,7 +163,7 @@ class Placement:
         now = self.clock()
         with self._lock:
             self._tick(now)
-            self._prune_pins(now)
+            self._prune(now)  # `skip` below is by membership: no expired pin may stay
             return list(self.policies[tier.name].select_victims(need_bytes, now,
                                                                 skip=self._pins))
 
@@ -180,11 +180,10 @@ class Placement:
         with self._lock:
             now = self.clock()
             self._tick(now)
-            self._prefetching = {k: t for k, t in self._prefetching.items() if t > now}
             first = self.policies[self.tiers[0].name]
             for tier in self.tiers[1:]:
                 keys = [k for k in self.policies[tier.name].select_prefetch(now, max_bytes)
-                        if k not in self._prefetching and k not in first]
+                        if self._prefetching.get(k, 0) <= now and k not in first]
                 if keys:
                     out[tier.name] = keys
                     self._prefetching.update(dict.fromkeys(keys, now + PREFETCH_GIVE_UP_S))
@@ -194,13 +193,15 @@ class Placement:
         for pol in self.policies.values():
             pol.on_tick(now)
         # Pins of blocks never loaded here (in a multi-process engine the scheduler looks up
-        # and another process loads) expire; without eviction pressure nothing else drops them.
-        if now - self._pins_pruned >= PIN_S:
-            self._prune_pins(now)
+        # and another process loads) and marks of prefetches that never landed expire;
+        # without eviction pressure nothing else drops them.
+        if now - self._pruned >= PIN_S:
+            self._prune(now)
 
-    def _prune_pins(self, now: float) -> None:
-        self._pins_pruned = now
+    def _prune(self, now: float) -> None:
+        self._pruned = now
         self._pins = {k: t for k, t in self._pins.items() if t > now}
+        self._prefetching = {k: t for k, t in self._prefetching.items() if t > now}
 
     def admit(self, tier, keys: Sequence[str]) -> list[bool]:
         """May `tier` absorb these blocks (write budget and likelihood of reuse)?"""
