@@ -208,6 +208,17 @@ def test_lookups_never_finished_or_loaded_leave_nothing_behind(tmp_path, shared_
         assert len(store.placement._open) == 8
 
 
+def tick_until_prefetching(store, now, steps=400):
+    """Advance the fake clock in 0.1 ms steps, ticking the mover, until it queues a
+    prefetch (bounded)."""
+    for _ in range(steps):
+        now[0] += 0.0001
+        store.mover.tick()
+        if store.mover.pending():
+            return
+    raise AssertionError("the demoted session never became due for prefetch")
+
+
 def test_a_session_coming_back_again_is_prefetched_again(tmp_path, shared_master):
     """Each return of a demoted session lifts its blocks: the in-flight mark ends with the
     promotion, and blocks the pool already holds are not offered (they used to stay marked
@@ -226,18 +237,10 @@ def test_a_session_coming_back_again_is_prefetched_again(tmp_path, shared_master
         store.mover.drain()  # persisted below
         store.finish(keys, hint)
 
-        def demote_and_wait_until_due():
+        for round_ in range(3):
             store.mover.demote(dram, keys)
             assert dram.contains(keys) == [False] * 4 and nvme.contains(keys) == [True] * 4
-            for _ in range(400):
-                now[0] += 0.0001
-                store.mover.tick()
-                if store.mover.pending():
-                    return
-            raise AssertionError("the demoted session never became due for prefetch")
-
-        for round_ in range(3):
-            demote_and_wait_until_due()
+            tick_until_prefetching(store, now)
             assert store.mover.pending() == 4, round_
             store.mover.drain()
             assert dram.contains(keys) == [True] * 4, round_
@@ -264,11 +267,7 @@ def test_blocks_another_node_lifted_are_not_asked_about_every_tick(tmp_path, sha
         b.mover.demote(b.tiers[0], keys)
         assert b.tiers[0].contains(keys) == [False] * 4
         a.save(keys, frames_for(keys))  # a lifts them first
-        for _ in range(400):
-            now[0] += 0.0001
-            b.mover.tick()
-            if b.mover.pending():
-                break
+        tick_until_prefetching(b, now)
         assert b.mover.pending() == 4
         copied = b.mover.copier.stats.get("copied_nvme_dram", 0)
         b.mover.drain()
