@@ -121,6 +121,9 @@ class KVTierConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:
         return self.scheduler.hit_sources(request, num_external_tokens)

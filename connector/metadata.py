@@ -13,6 +13,9 @@ A job moves whole chunks: `keys[i]` (rank-0 namespace) is chunk i, `block_ids[i]
   `wait_for_save`, after that step's forward).
 - `hold`: requests that finished while the scheduler keeps their blocks for our saves;
   the worker reports each in `finished_sending` once no save still reads its blocks.
+- `events`: when the workers run in other processes than the scheduler (`vllm serve` with a
+  multiprocess executor), the lookups and turn ends the scheduler saw, in order, for the
+  store whose mover evicts and prefetches by them (`StoreEvent`).
 """
 
 from __future__ import annotations
@@ -41,11 +44,25 @@ class SaveJob:
 
 
 @dataclass
+class StoreEvent:
+    """`lookup`: a request's chain was looked up, chunks [held, hits) may be loaded;
+    `finish`: the request over that chain ended (its session's turn is over)."""
+
+    kind: str
+    keys: list[str]
+    hits: int = 0
+    held: int = 0
+    session_id: str | None = None
+    expected_gap_s: float | None = None
+
+
+@dataclass
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     hold: list[str] = field(default_factory=list)
+    events: list[StoreEvent] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.loads or self.saves or self.hold)
+        return not (self.loads or self.saves or self.hold or self.events)

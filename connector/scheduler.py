@@ -16,6 +16,11 @@
   (`store.finish` with the keys it looked up). Session hints from `kv_transfer_params`
   ride along to lookup, save and finish; without them the store infers the session.
 
+When the workers run in other processes (`vllm serve` with a multiprocess executor), the
+store here only answers lookups; the lookups and turn ends go to the workers' stores, whose
+movers evict and prefetch by them, as `StoreEvent`s in the next step's metadata
+(`has_pending_push_work` keeps the engine stepping until the last of them is out).
+
 A preempted request is looked up again when it resumes, so what it saved comes back from
 kvtier instead of being recomputed.
 """
@@ -32,7 +37,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector import storeref
 from kvtier.connector.config import ConnectorConfig
-from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob
+from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob, StoreEvent
 from kvtier.connector.naming import (kv_shape, make_namespace, request_salt, session_hint,
                                      token_keys)
 from kvtier.connector.stats import KVTierStats
@@ -81,6 +86,10 @@ class SchedulerSide:
         self.m = self.chunk // self.shape.block_size
         self.tier_kinds = {t.name: t.kind for t in cfg.policy.tiers}
         self.store = storeref.acquire(cfg.policy, cfg.node_id, mover=False)
+        # The worker side is built first in a shared process (storeref): a store without a
+        # mover means the workers, and the stores that act on sessions, are elsewhere.
+        self.forward = not self.store.runs_mover
+        self._events: list[StoreEvent] = []
         self.reqs: dict[str, _Req] = {}
         self.stats = KVTierStats()
         self._loads: list[LoadJob] = []
@@ -116,12 +125,16 @@ class SchedulerSide:
         first = num_computed // self.chunk
         t0 = time.perf_counter()
         try:
-            found = self.store.lookup(keys, st.hint, held=min(first, limit))
+            found = self.store.lookup(keys, st.hint, held=min(first, limit),
+                                      observe=not self.forward)
         except KVTierError as e:
             log.warning("kvtier: lookup failed, serving request %s without it: %s",
                         request.request_id, e)
             return 0, False
         st.looked_up = keys
+        if self.forward:
+            self._events.append(self._event("lookup", st, keys, hits=found.hit_blocks,
+                                            held=min(first, limit)))
         log.debug("kvtier: lookup %s: %d of %d chunks (%d held locally) in %.2f ms",
                   request.request_id, found.hit_blocks, limit, min(first, limit),
                   (time.perf_counter() - t0) * 1e3)
@@ -201,9 +214,20 @@ class SchedulerSide:
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
             self._plan_save(st, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id])
-        meta = KVTierMetadata(self._loads, self._saves, self._hold)
-        self._loads, self._saves, self._hold = [], [], []
+        meta = KVTierMetadata(self._loads, self._saves, self._hold, self._events)
+        self._loads, self._saves, self._hold, self._events = [], [], [], []
         return meta
+
+    def has_pending_push_work(self) -> bool:
+        """Events not yet handed to the workers: the engine must step once more (a turn that
+        ends the engine's last request would otherwise never reach the mover)."""
+        return bool(self._events)
+
+    @staticmethod
+    def _event(kind: str, st: _Req, keys: list[str], **kw) -> StoreEvent:
+        hint = st.hint or SessionHint()
+        return StoreEvent(kind, keys, session_id=hint.session_id,
+                          expected_gap_s=hint.expected_gap_s, **kw)
 
     def _plan_save(self, st: _Req, computed: int, block_ids: list[int] | None = None) -> bool:
         """Save the chunks whose KV is complete at `computed` tokens and whose ids are known;
@@ -237,7 +261,9 @@ class SchedulerSide:
         # never scheduled (aborted while loading): its blocks hold nothing to save
         hold = st.scheduled and self._plan_save(st, request.num_computed_tokens,
                                                 list(block_ids))
-        if st.looked_up:  # the store knows the request by the keys it looked up
+        if st.looked_up and self.forward:
+            self._events.append(self._event("finish", st, st.looked_up))
+        elif st.looked_up:  # the store knows the request by the keys it looked up
             try:
                 self.store.finish(st.looked_up, st.hint)
             except KVTierError as e:

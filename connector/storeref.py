@@ -3,8 +3,8 @@
 With vLLM's in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor) the
 scheduler side and the worker side run in one process: they share one store (one Mooncake
 client, one index handle) instead of opening two. The worker is built first and asks for the
-mover; a scheduler-only process gets a lookup-only store (`mover=False`). Reference counted:
-the last `release` closes the store.
+mover; a scheduler-only process gets a lookup-only store (`mover=False`), which gains a mover
+if a worker side joins it later. Reference counted: the last `release` closes the store.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def acquire(policy: Policy, node_id: str | None, mover: bool) -> TieredStore:
         entry = _stores.get(key)
         if entry is not None:
             entry[1] += 1
+            if mover:  # the lookup-only side came first: this side moves blocks after all
+                entry[0].mover.start()
             return entry[0]
         store = TieredStore(policy, node_id=node_id, mover=mover)
         _stores[key] = [store, 1]

@@ -22,7 +22,7 @@ from kvtier.connector import storeref
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.io_thread import IOThread, LoadBatch, SaveBatch, stage_save
 from kvtier.connector.layout import PagedKV
-from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob
+from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob, StoreEvent
 from kvtier.connector.naming import check_layout, kv_shape, make_namespace, rank_keys
 from kvtier.connector.staging import FrameBuffer, StagingPool
 from kvtier.connector.stats import KVTierStats
@@ -115,12 +115,29 @@ class WorkerSide:
     def start_load_kv(self, meta: KVTierMetadata, idle_step: bool = False) -> None:
         """Queue the step's loads; `idle_step`: the step has nothing to compute."""
         self._idle_step = idle_step
+        if meta.events:
+            self._observe(meta.events)
         self._held.update(meta.hold)
         if meta.loads:
             self._require_registered()
             for job in meta.loads:
                 self.io.submit_load(self._load_batches(job))
                 log.debug("kvtier: load %s queued: %d chunks", job.req_id, len(job.keys))
+
+    def _observe(self, events: list[StoreEvent]) -> None:
+        """Replay the scheduler's lookups and turn ends into this process's store, before
+        this step's loads (so their pins are in place before the loads release them)."""
+        try:
+            for ev in events:
+                keys = rank_keys(ev.keys, self.fingerprint)
+                hint = None if ev.session_id is None and ev.expected_gap_s is None else \
+                    SessionHint(ev.session_id, ev.expected_gap_s)
+                if ev.kind == "lookup":
+                    self.store.observe_lookup(keys, ev.hits, hint, ev.held)
+                else:
+                    self.store.finish(keys, hint)
+        except KVTierError as e:  # bookkeeping: the step and its requests go on without it
+            log.warning("kvtier: session bookkeeping failed: %s", e)
 
     def _load_batches(self, job: LoadJob) -> list[LoadBatch]:
         keys = rank_keys(job.keys, self.fingerprint)

@@ -62,8 +62,19 @@ class Mover:
         self._thread = None
         self._last_reap = time.monotonic()
         if start:
-            self._thread = threading.Thread(target=self._run, name="kvtier-mover", daemon=True)
-            self._thread.start()
+            self.start()
+
+    def start(self) -> None:
+        """Start the thread (once; a store opened lookup-only can gain a mover later)."""
+        with self._cv:
+            if self._thread is None and not self._stop:
+                self._thread = threading.Thread(target=self._run, name="kvtier-mover",
+                                                daemon=True)
+                self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
 
     # ---- requests (any thread) ----------------------------------------------------------
 

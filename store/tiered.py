@@ -88,17 +88,23 @@ class TieredStore:
         self._closed = False
         self._lock = threading.Lock()
 
+    @property
+    def runs_mover(self) -> bool:
+        """Whether this process moves blocks (and so must hear of every lookup and turn end)."""
+        return self.mover.running
+
     # ---- the data path ------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[str], hint: SessionHint | None = None,
-               held: int = 0) -> LookupResult:
+               held: int = 0, observe: bool = True) -> LookupResult:
         """The longest prefix of `keys` present in any tier; never blocks on the mover.
 
         `held`: leading blocks the caller already has (vLLM's local prefix cache). They count
         in the prefix and attach the request to its session, and are touched where this node
         tracks them, but no tier is asked about them and they are not pinned for a load: a
         16K-token local hit would otherwise pay a 511-key pool query for nothing.
-        `tiers[i]` is None for those."""
+        `tiers[i]` is None for those. `observe=False`: answer only, and leave the bookkeeping
+        to the process that runs the mover (`observe_lookup` there)."""
         check_keys(keys)
         if not 0 <= held <= len(keys):
             raise ValueError(f"held={held} is outside 0..{len(keys)} (the number of keys)")
@@ -116,8 +122,19 @@ class TieredStore:
                 if hit:
                     found[i] = tier.name
         hits = next((i for i in range(held, len(keys)) if found[i] is None), len(keys))
-        self.placement.on_lookup(keys, hits, hint, held)
+        if observe:
+            self.placement.on_lookup(keys, hits, hint, held)
         return LookupResult(hits, tuple(found[:hits]))
+
+    def observe_lookup(self, keys: Sequence[str], hits: int, hint: SessionHint | None = None,
+                       held: int = 0) -> None:
+        """A lookup another process of this node made (vLLM's scheduler, when the workers run
+        elsewhere): attach the request to its session, touch its blocks and pin the `hits`
+        it may load, as `lookup` does, without asking the tiers again."""
+        check_keys(keys)
+        if not 0 <= held <= hits <= len(keys):
+            raise ValueError(f"held={held}, hits={hits} do not fit {len(keys)} keys")
+        self.placement.on_lookup(keys, hits, hint, held)
 
     def load(self, keys: Sequence[str], outs: Sequence[memoryview],
              where: Sequence[str | None] | None = None) -> list[int]:

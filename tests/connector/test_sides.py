@@ -55,7 +55,8 @@ def sides(tmp_path):
                             parallel_config=SimpleNamespace(tensor_parallel_size=1,
                                                             pipeline_parallel_size=1))
     cfg = ConnectorConfig(policy, "unit", 1 << 20, 2)
-    sched, worker = SchedulerSide(vconf, kvc, cfg), WorkerSide(vconf, kvc, cfg)
+    worker = WorkerSide(vconf, kvc, cfg)  # first, as vLLM builds them in one process
+    sched = SchedulerSide(vconf, kvc, cfg)
     worker.register_kv_caches(caches)
     yield SimpleNamespace(sched=sched, worker=worker, caches=caches, root=tmp_path)
     worker.shutdown()
@@ -264,3 +265,37 @@ def test_session_hints_reach_the_store_and_later_turns_are_inferred(sides):
         chains = {sid: chain for sid, _, chain in read_sessions(sides.sched.store.index)}
         assert set(chains) == {"agent-7"}  # the second turn was attached without a hint
         assert len(chains["agent-7"]) == (len(tokens) - 1) // CHUNK
+
+
+def test_with_the_workers_elsewhere_lookups_and_turn_ends_reach_their_store(sides):
+    """A scheduler process without a mover (`vllm serve`, multiprocess executor) forwards its
+    lookups and turn ends: the store that evicts and prefetches learns the session there."""
+    import pickle
+
+    from kvtier.store.session_store import read_sessions
+    sides.sched.forward = True  # as in a scheduler process whose store runs no mover
+    tokens = random_prompt(8, 300)
+    r = request("f1", tokens, params={"kvtier": {"session_id": "agent-9",
+                                                 "expected_gap_s": 2.0}})
+    sides.sched.get_num_new_matched_tokens(r, 0)
+    ids = list(range(len(tokens) // BS + 1))
+    sides.sched.update_state_after_alloc(r, blocks(ids), 0)
+    meta = step(sides.sched, [("f1", ids, 0)], {"f1": len(tokens)})
+    assert [(e.kind, e.session_id, e.expected_gap_s) for e in meta.events] == [
+        ("lookup", "agent-9", 2.0)]
+    run_worker(sides.worker, pickle.loads(pickle.dumps(meta)))  # it crosses processes
+    r.num_computed_tokens = len(tokens)
+    sides.sched.request_finished(r, ids)
+    # the turn ended with the engine's last request: it must step once more to tell
+    assert sides.sched.has_pending_push_work()
+    assert "agent-9" not in {sid for sid, _, _ in read_sessions(sides.worker.store.index)}
+    meta = step(sides.sched)
+    assert not sides.sched.has_pending_push_work()
+    assert [e.kind for e in meta.events] == ["finish"]
+    run_worker(sides.worker, pickle.loads(pickle.dumps(meta)))
+    rows = {sid: (rec, chain) for sid, rec, chain in read_sessions(sides.worker.store.index)}
+    rec, chain = rows["agent-9"]
+    chunks = (len(tokens) - 1) // CHUNK
+    assert len(chain) == chunks
+    assert rec["blocks_per_tier"] == {"shared": chunks}  # the blocks its worker saved
+    assert rec["turns"] == 1

