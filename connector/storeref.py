@@ -3,8 +3,9 @@
 With vLLM's in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor) the
 scheduler side and the worker side run in one process: they share one store (one Mooncake
 client, one index handle) instead of opening two. The worker is built first and asks for the
-mover; a scheduler-only process gets a lookup-only store (`mover=False`), which gains a mover
-if a worker side joins it later. Reference counted: the last `release` closes the store.
+mover; a scheduler-only process gets a lookup-only store (`mover=False`, lending no pool
+memory), which gains a mover if a worker side joins it later (still lending none: its puts
+go to other processes' segments). Reference counted: the last `release` closes the store.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def acquire(policy: Policy, node_id: str | None, mover: bool) -> TieredStore:
             if mover:  # the lookup-only side came first: this side moves blocks after all
                 entry[0].mover.start()
             return entry[0]
-        store = TieredStore(policy, node_id=node_id, mover=mover)
+        # A lookup-only store lends no pool memory: in a process of its own it never stores.
+        store = TieredStore(policy, node_id=node_id, mover=mover, lend=mover)
         _stores[key] = [store, 1]
         return store
 

@@ -63,7 +63,7 @@ class TieredStore:
     """The node's view of the cluster cache. Thread-safe; one per process."""
 
     def __init__(self, policy: Policy, *, node_id: str | None = None, mover: bool = True,
-                 start_master: bool = True, clock=time.time):
+                 start_master: bool = True, lend: bool = True, clock=time.time):
         self.policy = policy
         self.node_id = node_id or socket.gethostname()
         self.clock = clock
@@ -74,7 +74,7 @@ class TieredStore:
         self.master: EmbeddedMaster | None = None
         if start_master and any(t.kind == "mooncake" for t in policy.tiers):
             self.master = ensure_master(policy.master)
-        ctx = TierContext(self.index, self.node_id, policy.master)
+        ctx = TierContext(self.index, self.node_id, policy.master, lend=lend)
         self.tiers: list[Tier] = []
         try:
             for cfg in policy.tiers:

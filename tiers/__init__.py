@@ -28,12 +28,15 @@ class TierContext:
     `recover`: run crash recovery at open (drop dead writers' PENDING entries, adopt their
     regions, sweep stale temp files). `kvtier inspect check` opens tiers with False, so the
     leftovers are still there to be reported (and repaired only with `--fix`).
+    `lend`: this process lends pool memory (its Mooncake segment); a process that only asks
+    what the pool holds (vLLM's scheduler, its workers elsewhere) lends none.
     """
 
     index: Index
     node_id: str
     master: MasterConfig
     recover: bool = True
+    lend: bool = True
 
 
 def open_tier(cfg, ctx: TierContext) -> Tier:

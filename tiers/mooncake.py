@@ -61,7 +61,7 @@ class MooncakeTier(Tier):
         super().__init__(cfg.name, cfg.capacity_bytes)
         self.cfg = cfg
         self.ctx = ctx
-        self.client = MooncakeClient(cfg, ctx.master)
+        self.client = MooncakeClient(cfg, ctx.master, lend=ctx.lend)
         self._staging_lock = threading.Lock()  # one call at a time uses staging
         # False sends every transfer through staging, registered or not (benchmarks, debugging).
         self.zero_copy = True

@@ -112,9 +112,10 @@ class _Session:
 class MooncakeClient:
     """The process's store client for one mooncake tier (thread-safe)."""
 
-    def __init__(self, cfg: MooncakeTierConfig, master: MasterConfig):
+    def __init__(self, cfg: MooncakeTierConfig, master: MasterConfig, lend: bool = True):
         self.cfg = cfg
         self.master = master
+        self.lend = lend  # False: mount no segment (a client that only asks and reads)
         self.mc = import_mooncake()
         self.owned_master = None  # an EmbeddedMaster this client had to start
         self.owned_service = None  # a PoolService this client had to start
@@ -160,7 +161,8 @@ class MooncakeClient:
             self.staging = alloc_aligned(self.cfg.staging_bytes)
             self._add_reg(buffer_address(self.staging), len(self.staging), self.staging)
         cfg = self.cfg
-        rc = store.setup(cfg.local_hostname, self.master.metadata_server, cfg.capacity_bytes,
+        rc = store.setup(cfg.local_hostname, self.master.metadata_server,
+                         cfg.capacity_bytes if self.lend else 0,
                          cfg.buffer_bytes, cfg.protocol, cfg.device, self.master.address)
         if rc != OK:
             raise TierUnavailableError(
@@ -208,7 +210,7 @@ class MooncakeClient:
     def _segment_name(self, store: Any) -> str:
         """This client's segment; with a service, the service's (empty when unknown)."""
         if not self.cfg.service:
-            return store.get_hostname()
+            return store.get_hostname() if self.lend else ""
         from kvtier.tiers.mooncake_service import read_segment
         return read_segment(self.cfg.service)
 

@@ -142,6 +142,12 @@ def test_a_prompt_one_server_saw_is_a_hit_on_the_other(servers):
     assert row["turns"] == 1 and row["chain_blocks"] == (len(prompt) - 1) // CHUNK
     wait_for(lambda: a.metric("kvtier_save_bytes_total") > 0, 30, "a's save metrics")
 
+    # Only the worker processes lend pool memory (128 MiB each), not the schedulers' too.
+    with urllib.request.urlopen(cluster.master.metrics_url, timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    assert [float(x.split()[1]) for x in lines
+            if x.startswith("master_total_capacity_bytes ")] == [2 * (128 << 20)]
+
     second = b.complete(prompt)
     full = full_block_tokens(prompt)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * full

@@ -40,12 +40,12 @@ def frames_for(n: int, size: int) -> tuple[list[str], list[bytearray]]:
     return keys, [encode(k, os.urandom(size)) for k in keys]
 
 
-def open_pool(root: Path, address: str, **tier) -> object:
+def open_pool(root: Path, address: str, lend: bool = True, **tier) -> object:
     base = {"name": "dram", "kind": "mooncake", "capacity": "64MiB", "buffer": "16MiB",
             "staging": "32MiB", "retry_backoff_s": 0.01}
     policy = make_policy(root, master_address=address, tiers=[{**base, **tier}])
     index = Index(root / "index", 16 << 20)
-    return open_tier(policy.tiers[0], TierContext(index, "test", policy.master))
+    return open_tier(policy.tiers[0], TierContext(index, "test", policy.master, lend=lend))
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +208,33 @@ def test_full_pool_raises_with_stored_keys_and_keeps_serving(tmp_path):
         assert MISS not in tier.get(held[:4], outs)
     finally:
         tier.close()
+        master.stop()
+
+
+def test_a_process_that_only_asks_lends_no_memory_and_reads_the_pool(tmp_path):
+    """vLLM's scheduler process (its workers elsewhere) looks blocks up but stores none."""
+    import urllib.request
+    master = start_master(tmp_path)
+
+    def pool_capacity() -> int:
+        with urllib.request.urlopen(master.metrics_url, timeout=5) as r:
+            lines = r.read().decode().splitlines()
+        return int(float(next(line.split()[1] for line in lines
+                              if line.startswith("master_total_capacity_bytes "))))
+    lender = open_pool(tmp_path / "a", master.address, capacity="16MiB", staging="8MiB")
+    asker = open_pool(tmp_path / "b", master.address, lend=False, capacity="16MiB",
+                      staging="8MiB")
+    try:
+        assert pool_capacity() == 16 << 20  # the lender's segment only
+        keys, frames = frames_for(2, 1 << 20)
+        assert lender.put(keys, frames) == [True, True]
+        assert asker.contains(keys + [new_key()]) == [True, True, False]
+        outs = [bytearray(HEADER_SIZE + (1 << 20)) for _ in keys]
+        assert asker.get(keys, outs) == [1 << 20, 1 << 20]
+        assert [bytes(o) for o in outs] == [bytes(f) for f in frames]
+    finally:
+        asker.close()
+        lender.close()
         master.stop()
 
 
