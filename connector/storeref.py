@@ -39,16 +39,17 @@ def acquire(policy: Policy, node_id: str | None, mover: bool) -> TieredStore:
         return store
 
 
-def release(store: TieredStore) -> None:
-    """Drop one reference; close the store when it was the last."""
+def release(store: TieredStore) -> bool:
+    """Drop one reference; close the store when it was the last (then True)."""
     with _lock:
         for key, entry in list(_stores.items()):
             if entry[0] is store:
                 entry[1] -= 1
                 if entry[1] > 0:
-                    return
+                    return False
                 del _stores[key]
                 break
         else:
-            return
+            return False
     store.close()
+    return True

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
@@ -197,11 +198,17 @@ class WorkerSide:
             return self.stats.take()
 
     def shutdown(self) -> None:
+        """Write what is queued (saves, then the mover's persists) before the process ends:
+        vLLM calls this when it stops its workers gracefully (`--shutdown-timeout` > 0)."""
+        t0 = time.monotonic()
         if self.io is not None:
             self.io.stop()
             self.io = None
         if self.store is not None:
-            storeref.release(self.store)
+            pending = self.store.mover.pending()
+            if storeref.release(self.store):  # the last user: the mover drained on close
+                log.info("kvtier: worker stopped in %.1f s: queued saves written, the mover's "
+                         "%d queued blocks moved", time.monotonic() - t0, pending)
             self.store = None
 
     def _require_registered(self) -> None:

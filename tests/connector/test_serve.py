@@ -24,8 +24,8 @@ import yaml
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    CHUNK, Cluster, full_block_tokens, kvtier_transfer_config, make_tiny_model, random_prompt,
-    wait_for)
+    CHUNK, Cluster, chunk_keys, files_of, full_block_tokens, kvtier_transfer_config,
+    make_tiny_model, random_prompt, wait_for)
 from kvtier.store.master import free_port  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -45,6 +45,7 @@ class Server:
                "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init",
                "--dtype", "float32", "--block-size", "32", "--max-model-len", "4096",
                "--enforce-eager", "--seed", "0", "--enable-prompt-tokens-details",
+               "--shutdown-timeout", "30",  # stop the workers gracefully (README)
                "--kv-transfer-config", json.dumps(transfer_config)]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
@@ -92,7 +93,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +157,16 @@ def test_a_prompt_one_server_saw_is_a_hit_on_the_other(servers):
     assert sum(hits.values()) >= 0.9 * full - 32, hits
     assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
     assert b.metric("kvtier_hit_tokens_total") >= sum(hits.values())
+
+
+def test_a_server_stopped_with_a_drain_time_writes_what_it_queued(servers):
+    """SIGTERM right after a response: the worker's saves and the mover's persists of that
+    request are still queued, and vLLM's graceful stop lets kvtier finish them."""
+    cluster, _, a, _ = servers
+    prompt = random_prompt(22, 2000)
+    a.complete(prompt)
+    a.close()
+    assert a.proc.returncode == 0
+    assert "kvtier: worker stopped in" in a.log_path.read_text()
+    keys = chunk_keys(prompt, cluster.policy("a"))[: (len(prompt) - 1) // CHUNK]
+    assert len(files_of(cluster.shared, keys)) == len(keys)  # down to the shared tier
