@@ -42,9 +42,13 @@ from kvtier.connector.naming import (kv_shape, make_namespace, request_salt, ses
                                      token_keys)
 from kvtier.connector.stats import KVTierStats
 from kvtier.store.errors import KVTierError
+from kvtier.store.placement import PIN_S
 from kvtier.store.tiered import SessionHint
 
 log = logging.getLogger(__name__)
+# A request vLLM keeps asking about renews its pins in the workers' stores this often (they
+# last `PIN_S` there).
+PIN_RENEW_S = PIN_S / 3
 
 # Where each tier kind sits in vLLM's cache-hit-source taxonomy.
 _HIT_SOURCE = {"mooncake": CacheHitSource.HOST, "nvme": CacheHitSource.DISK,
@@ -76,6 +80,7 @@ class _Req:
     looked_up: list[str] = field(default_factory=list)  # the keys of the last lookup
     saved_chunks: int = 0
     scheduled: bool = False      # its blocks hold computed (or loaded) KV
+    forwarded: tuple = ()        # (chunks, hits, held, when) of the last lookup forwarded
 
 
 class SchedulerSide:
@@ -133,8 +138,7 @@ class SchedulerSide:
             return 0, False
         st.looked_up = keys
         if self.forward:
-            self._events.append(self._event("lookup", st, keys, hits=found.hit_blocks,
-                                            held=min(first, limit)))
+            self._forward_lookup(st, keys, found.hit_blocks, min(first, limit))
         log.debug("kvtier: lookup %s: %d of %d chunks (%d held locally) in %.2f ms",
                   request.request_id, found.hit_blocks, limit, min(first, limit),
                   (time.perf_counter() - t0) * 1e3)
@@ -222,6 +226,16 @@ class SchedulerSide:
         """Events not yet handed to the workers: the engine must step once more (a turn that
         ends the engine's last request would otherwise never reach the mover)."""
         return bool(self._events)
+
+    def _forward_lookup(self, st: _Req, keys: list[str], hits: int, held: int) -> None:
+        """Queue a lookup for the workers' stores. vLLM asks again every step for a request
+        it cannot place yet: the same answer is sent again only to renew its pins."""
+        now = time.monotonic()
+        last = st.forwarded
+        if last and last[:3] == (len(keys), hits, held) and now - last[3] < PIN_RENEW_S:
+            return
+        st.forwarded = (len(keys), hits, held, now)
+        self._events.append(self._event("lookup", st, keys, hits=hits, held=held))
 
     @staticmethod
     def _event(kind: str, st: _Req, keys: list[str], **kw) -> StoreEvent:

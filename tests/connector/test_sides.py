@@ -278,6 +278,7 @@ def test_with_the_workers_elsewhere_lookups_and_turn_ends_reach_their_store(side
     r = request("f1", tokens, params={"kvtier": {"session_id": "agent-9",
                                                  "expected_gap_s": 2.0}})
     sides.sched.get_num_new_matched_tokens(r, 0)
+    sides.sched.get_num_new_matched_tokens(r, 0)  # vLLM asks again while it cannot place it
     ids = list(range(len(tokens) // BS + 1))
     sides.sched.update_state_after_alloc(r, blocks(ids), 0)
     meta = step(sides.sched, [("f1", ids, 0)], {"f1": len(tokens)})
