@@ -45,6 +45,13 @@ def _ranks() -> tuple[int, int]:
     return ps.get_tp_group().rank_in_group, ps.get_pp_group().rank_in_group
 
 
+def _hint(session_id: str | None, expected_gap_s: float | None) -> SessionHint | None:
+    """The session hint a job or event carries, or None when it carries none."""
+    if session_id is None and expected_gap_s is None:
+        return None
+    return SessionHint(session_id, expected_gap_s)
+
+
 class WorkerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig):
         self.cfg = cfg
@@ -131,8 +138,7 @@ class WorkerSide:
         try:
             for ev in events:
                 keys = rank_keys(ev.keys, self.fingerprint)
-                hint = None if ev.session_id is None and ev.expected_gap_s is None else \
-                    SessionHint(ev.session_id, ev.expected_gap_s)
+                hint = _hint(ev.session_id, ev.expected_gap_s)
                 if ev.kind == "lookup":
                     self.store.observe_lookup(keys, ev.hits, hint, ev.held)
                 else:
@@ -157,8 +163,7 @@ class WorkerSide:
 
     def _gather(self, job: SaveJob) -> None:
         keys = rank_keys(job.keys, self.fingerprint)
-        hint = None if job.session_id is None and job.expected_gap_s is None else \
-            SessionHint(job.session_id, job.expected_gap_s)
+        hint = _hint(job.session_id, job.expected_gap_s)
         step = self.save_pool.capacity
         for s in range(0, len(keys), step):
             buf = self.save_pool.acquire()  # waits while all are in flight: backpressure
