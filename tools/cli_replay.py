@@ -119,6 +119,9 @@ def replay(
                                       "time (background load hits each alike)"),
     pool: str = typer.Option("service", help="vllm: service (the engines join one pool "
                              "service, shared memory) | embedded (each lends a segment, TCP)"),
+    multiproc: bool = typer.Option(False, "--multiproc", help="vllm: vLLM's multi-process "
+                                   "engine, as behind `vllm serve` (scheduler and worker "
+                                   "apart; slower on few cores)"),
     dtype: str = typer.Option("bfloat16", help="engines: KV dtype (bfloat16 | float32)"),
     eviction: str = typer.Option("lru", help="engines: kvtier eviction policy (kvtier's default)"),
     admission: str = typer.Option("reuse", help="engines: kvtier admission (reuse | always)"),
@@ -158,7 +161,7 @@ def replay(
             baselines=tuple(b for b in baselines.split(",") if b.strip()),
             kv_ratio=kv_ratio, kv_tokens=kv_tokens, max_output=max_output,
             max_context=max_context, max_batch=max_batch, side_by_side=side_by_side,
-            pool=pool, dtype=dtype, eviction=eviction,
+            pool=pool, multiproc=multiproc, dtype=dtype, eviction=eviction,
             admission=admission, seed=seed, traces=traces, out=out,
             calibration=calibration), json_out, plots)
         return

@@ -57,6 +57,7 @@ class EngineSpec:
     max_batch: int = 8
     side_by_side: bool = False      # vllm: run the configurations at the same time
     pool: str = "service"           # vllm: the engines join one pool service | each lends
+    multiproc: bool = False         # vllm: scheduler and worker in processes of their own
     dtype: str = "bfloat16"
     eviction: str = "lru"
     admission: str = "reuse"

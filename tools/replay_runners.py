@@ -88,7 +88,8 @@ def _vllm_cluster(ctx: RunCtx, cfg: Config, root: Path, ui, clusters: int = 1):
                        chunk_tokens=spec.chunk_tokens, block_size=32,
                        num_blocks=ctx.kv_tok // 32 + 1, max_model_len=ctx.max_len,
                        dtype=spec.dtype, eviction=spec.eviction, admission=spec.admission,
-                       engines_alongside=clusters, pool=spec.pool, say=ui.say)
+                       engines_alongside=clusters, pool=spec.pool,
+                       inproc=not spec.multiproc, say=ui.say)
 
 
 def _replay_vllm(ctx: RunCtx, cfg: Config, cluster, ui, update) -> list[dict]:

@@ -58,7 +58,7 @@ class VllmCluster:
     def __init__(self, root: Path, cfg: Config, n: int, model: Path, sizing: Sizing, *,
                  chunk_tokens: int, block_size: int, num_blocks: int, max_model_len: int,
                  dtype: str, eviction: str, admission: str, engines_alongside: int = 1,
-                 pool: str = "service", say=print):
+                 pool: str = "service", inproc: bool = True, say=print):
         self.root, self.cfg, self.n = root, cfg, n
         self.master: EmbeddedMaster | None = None
         self.service = None
@@ -79,7 +79,7 @@ class VllmCluster:
         # gives each instance cores of its own.
         threads = max(1, (os.cpu_count() or 1) // (n * engines_alongside))
         self._kw = dict(block_size=block_size, num_blocks=num_blocks,
-                        max_model_len=max_model_len, dtype=dtype,
+                        max_model_len=max_model_len, dtype=dtype, inproc=inproc,
                         env={"OMP_NUM_THREADS": str(threads)},
                         engine_args={"disable_log_stats": False})
         self.model, self.say = model, say
