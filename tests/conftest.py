@@ -82,6 +82,19 @@ def policy_factory(tmp_path):
     return lambda **kw: make_policy(tmp_path, **kw)
 
 
+def metric_sum(url: str, name: str) -> float:
+    """The sum of Prometheus metric `name` over its label sets at `url` (0 with no sample)."""
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if not line.startswith("#") and head.split("{", 1)[0] == name:
+            total += float(value)
+    return total
+
+
 def venv_python() -> str:
     """The interpreter running the tests, for child processes."""
     import sys

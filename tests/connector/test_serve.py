@@ -26,6 +26,7 @@ pytest.importorskip("vllm")
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
     CHUNK, Cluster, chunk_keys, files_of, full_block_tokens, kvtier_transfer_config,
     make_tiny_model, random_prompt, wait_for)
+from conftest import metric_sum  # noqa: E402
 from kvtier.store.master import free_port  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -79,11 +80,7 @@ class Server:
             return json.loads(r.read())
 
     def metric(self, name: str) -> float:
-        """The sum of metric `name` over its label sets (0 when it has no sample yet)."""
-        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as r:
-            text = r.read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name + "{"))
+        return metric_sum(self.url("/metrics"), name)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -145,10 +142,8 @@ def test_a_prompt_one_server_saw_is_a_hit_on_the_other(servers):
     wait_for(lambda: a.metric("kvtier_save_bytes_total") > 0, 30, "a's save metrics")
 
     # Only the worker processes lend pool memory (128 MiB each), not the schedulers' too.
-    with urllib.request.urlopen(cluster.master.metrics_url, timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    assert [float(x.split()[1]) for x in lines
-            if x.startswith("master_total_capacity_bytes ")] == [2 * (128 << 20)]
+    assert metric_sum(cluster.master.metrics_url,
+                      "master_total_capacity_bytes") == 2 * (128 << 20)
 
     second = b.complete(prompt)
     full = full_block_tokens(prompt)

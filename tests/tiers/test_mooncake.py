@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_policy, start_master
+from conftest import make_policy, metric_sum, start_master
 from kvtier.store.block import HEADER_SIZE, alloc_aligned, encode
 from kvtier.store.config import MasterConfig
 from kvtier.store.errors import TierError, TierFullError, TierUnavailableError
@@ -213,19 +213,13 @@ def test_full_pool_raises_with_stored_keys_and_keeps_serving(tmp_path):
 
 def test_a_process_that_only_asks_lends_no_memory_and_reads_the_pool(tmp_path):
     """vLLM's scheduler process (its workers elsewhere) looks blocks up but stores none."""
-    import urllib.request
     master = start_master(tmp_path)
-
-    def pool_capacity() -> int:
-        with urllib.request.urlopen(master.metrics_url, timeout=5) as r:
-            lines = r.read().decode().splitlines()
-        return int(float(next(line.split()[1] for line in lines
-                              if line.startswith("master_total_capacity_bytes "))))
     lender = open_pool(tmp_path / "a", master.address, capacity="16MiB", staging="8MiB")
     asker = open_pool(tmp_path / "b", master.address, lend=False, capacity="16MiB",
                       staging="8MiB")
     try:
-        assert pool_capacity() == 16 << 20  # the lender's segment only
+        # the lender's segment only
+        assert metric_sum(master.metrics_url, "master_total_capacity_bytes") == 16 << 20
         keys, frames = frames_for(2, 1 << 20)
         assert lender.put(keys, frames) == [True, True]
         assert asker.contains(keys + [new_key()]) == [True, True, False]
