@@ -32,6 +32,7 @@ from kvtier.tiers import Tier
 
 log = logging.getLogger(__name__)
 REAP_EVERY_S = 5.0
+ROWS_EVERY_S = 1.0  # how stale `inspect sessions` may show a session's blocks per tier
 NODE_LOCAL_KINDS = frozenset({"nvme"})
 HOLD_IDLE_S = 60.0  # unmap the hold's recycled slabs after this long without a hold
 
@@ -60,7 +61,7 @@ class Mover:
         self.copier = Copier(store, self.cfg.buffer_bytes, self.hold, self.risk, self.evict,
                              self.stats)
         self._thread = None
-        self._last_reap = time.monotonic()
+        self._last_reap = self._last_rows = time.monotonic()
         if start:
             self.start()
 
@@ -202,6 +203,9 @@ class Mover:
         for src, keys in placement.prefetch_due(self.cfg.buffer_bytes).items():
             self._enqueue_promotions(keys, src)
         now = time.monotonic()
+        if now - self._last_rows >= ROWS_EVERY_S:
+            self._last_rows = now
+            placement.refresh_rows()
         if now - self._last_reap >= REAP_EVERY_S:
             self._last_reap = now
             self.reclaim(placement.reap())

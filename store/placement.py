@@ -40,6 +40,8 @@ MAX_OPEN_REQUESTS = 65536
 # Bytes per second from each kind of tier to the one above (DESIGN.md's measurements);
 # the agentic policy starts a prefetch this long before a session's predicted return.
 RESTORE_BPS = {"mooncake": 8e9, "nvme": 1.5e9, "sharedfs": 0.5e9}
+# Keys moved since the session rows were last rewritten, beyond which every row is rewritten.
+MAX_MOVED_KEYS = 1 << 16
 
 
 class Placement:
@@ -68,6 +70,9 @@ class Placement:
         self._open: collections.OrderedDict[str, object] = collections.OrderedDict()
         self._pruned = 0.0  # when expired pins and prefetch marks were last dropped
         self._prefetching: dict[str, float] = {}  # key -> when to stop waiting for it
+        # Blocks that entered or left a tier since the stored session rows were written
+        # (None: too many to track, rewrite them all).
+        self._moved: set[str] | None = set()
         self._load_index(index)
 
     def _load_index(self, index) -> None:
@@ -124,6 +129,13 @@ class Placement:
                 self._track(tier.name, key, size, now)
             for key in keys:
                 self._prefetching.pop(key, None)
+            self._note_moved(keys)
+
+    def _note_moved(self, keys: Sequence[str]) -> None:
+        if self._moved is not None:
+            self._moved.update(keys)
+            if len(self._moved) > MAX_MOVED_KEYS:
+                self._moved = None
 
     def on_remove(self, tier, keys: Sequence[str]) -> None:
         """`tier` dropped these blocks; a block no tier of this node tracks is forgotten."""
@@ -133,6 +145,7 @@ class Placement:
                 pol.on_remove(key)
                 if not any(key in other for other in self.policies.values()):
                     self._sizes.pop(key, None)
+            self._note_moved(keys)
 
     def prefetch_settled(self, keys: Sequence[str]) -> None:
         """The mover finished copying `keys` up (each landed or failed)."""
@@ -217,6 +230,24 @@ class Placement:
             keys = [k for k in keys if self._pins.get(k, 0) <= now]
         delete_sessions(self.index, [str(s) for s in ended])
         return keys
+
+    def refresh_rows(self) -> int:
+        """Rewrite the stored rows of the sessions whose blocks entered or left a tier since
+        the last call; returns how many. A turn's end writes its row at once, but that
+        turn's saves, and every later demotion or eviction, land after it: without this,
+        `inspect sessions` would show the blocks per tier as they were at the turn's end.
+        Mover thread only (as `reap`, so a row is never rewritten after its session ended)."""
+        with self._lock:
+            moved, self._moved = self._moved, set()
+            if moved is None:
+                sids = set(self.sessions.sessions())
+            else:
+                sids = {self.sessions.owner(k) for k in moved} - {None}
+            now = self.clock()
+            rows = [(str(sid), row, self.sessions.chain(sid)) for sid in sids
+                    if (row := self._session_row(sid, now)) is not None]
+        write_sessions(self.index, rows)
+        return len(rows)
 
     def frame_bytes(self, key: str) -> int:
         """The stored frame size of `key` (the largest seen when unknown)."""

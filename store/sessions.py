@@ -199,6 +199,10 @@ class SessionTracker(SessionPredictions):
             return None, end
         return self._log[cursor - self._log_base:], end
 
+    def owner(self, key: Hashable) -> Hashable | None:
+        """The session that last asked for `key` (None if no live session holds it)."""
+        return self._owner.get(key)
+
     def end_session(self, session: Hashable) -> list[Hashable]:
         """The session is over (a hint); returns keys now unreferenced (also in `reap`)."""
         s = self._sessions.pop(session, None)

@@ -208,6 +208,35 @@ def test_lookups_never_finished_or_loaded_leave_nothing_behind(tmp_path, shared_
         assert len(store.placement._open) == 8
 
 
+def test_session_rows_follow_blocks_that_land_or_move_after_the_turn(tmp_path, shared_master,
+                                                                     monkeypatch):
+    """A turn's end writes its session's row (what `inspect sessions` reads), but the saves of
+    that turn can land after it (vLLM's workers save on their I/O thread), and blocks move
+    down later. The mover's tick rewrites the rows of the sessions whose blocks moved."""
+    from kvtier.store import mover
+    from kvtier.store.session_store import read_sessions
+    monkeypatch.setattr(mover, "ROWS_EVERY_S", 0.0)
+    keys = block_keys(NS, range(16 * 4))
+    hint = SessionHint("agent-7")
+
+    def row():
+        return {sid: rec for sid, rec, _ in read_sessions(store.index)}["agent-7"]
+
+    with TieredStore(small_policy(tmp_path, shared_master), mover=False) as store:
+        store.lookup(keys, hint)
+        store.finish(keys, hint)  # the turn ended before any of its blocks landed
+        assert row()["blocks_per_tier"] == {"dram": 0, "nvme": 0, "shared": 0}
+        store.save(keys, frames_for(keys), hint)
+        store.mover.drain()
+        assert row()["blocks_per_tier"] == {"dram": 0, "nvme": 0, "shared": 0}  # until a tick
+        store.mover.tick()
+        assert row()["blocks_per_tier"] == {"dram": 4, "nvme": 4, "shared": 4}
+        store.mover.demote(store.tiers[0], keys)
+        store.mover.tick()
+        assert row()["blocks_per_tier"] == {"dram": 0, "nvme": 4, "shared": 4}
+        assert store.placement.refresh_rows() == 0  # nothing moved since
+
+
 def tick_until_prefetching(store, now, steps=400):
     """Advance the fake clock in 0.1 ms steps, ticking the mover, until it queues a
     prefetch (bounded)."""
