@@ -131,6 +131,11 @@ class IOThread:
         with self._cv:
             return not (self._loads or self._saves or self._busy)
 
+    def pending_saves(self) -> int:
+        """Save batches queued, not yet started."""
+        with self._cv:
+            return len(self._saves)
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Finish queued work (saves included), then end the thread."""
         with self._cv:

@@ -207,13 +207,20 @@ class WorkerSide:
         vLLM calls this when it stops its workers gracefully (`--shutdown-timeout` > 0)."""
         t0 = time.monotonic()
         if self.io is not None:
+            # Said before the work: vLLM kills a worker whose stop takes longer than it
+            # allows (README, Operations), and the log should show what was at stake.
+            log.info("kvtier: worker stopping: writing %d queued save batches, then the "
+                     "mover's %d queued blocks", self.io.pending_saves(),
+                     self.store.mover.pending() if self.store is not None else 0)
             self.io.stop()
             self.io = None
         if self.store is not None:
             pending = self.store.mover.pending()
             if storeref.release(self.store):  # the last user: the mover drained on close
+                dropped = self.store.mover.stats["promote_dropped_at_stop"]
                 log.info("kvtier: worker stopped in %.1f s: queued saves written, the mover's "
-                         "%d queued blocks moved", time.monotonic() - t0, pending)
+                         "%d queued blocks moved down (%d promotions dropped)",
+                         time.monotonic() - t0, pending - dropped, dropped)
             self.store = None
 
     def _require_registered(self) -> None:

@@ -227,10 +227,20 @@ class Mover:
         return removed
 
     def stop(self) -> None:
-        """Finish queued work and stop the thread."""
+        """Finish the queued persists and stop the thread. Queued promotions are dropped:
+        they would lift blocks into a store about to close, and their source keeps its
+        copy, so the stop is shorter (vLLM kills a worker that takes too long) and loses
+        nothing."""
         with self._cv:
             self._stop = True
+            promotions = list(self._queues["promote"])
+            self._queues["promote"].clear()
+            dropped = sum(len(keys) for _, keys, _, _ in promotions)
+            self._queued -= dropped
+            self.stats["promote_dropped_at_stop"] += dropped
             self._cv.notify()
+        for _, _, _, held in promotions:
+            self.copier.release(held)
         if self._thread is not None:
             self._thread.join()
 

@@ -82,7 +82,12 @@ class Server:
     def metric(self, name: str) -> float:
         return metric_sum(self.url("/metrics"), name)
 
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
     def close(self) -> None:
+        """SIGTERM to the group (as Ctrl-C or systemd stop), then wait for every process of
+        it: the API server can exit while its engine-core and worker processes still drain."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -90,8 +95,25 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        deadline = time.monotonic() + 60
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _group_alive(self.proc.pid):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         if not self._log.closed:
             self._log.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is left in process group `pgid`."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it just exited
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +158,10 @@ def test_a_prompt_one_server_saw_is_a_hit_on_the_other(servers):
     def session_known() -> bool:
         row = _sessions(policy_file).get("agent-1")
         return row is not None and sum(row["blocks_per_tier"].values()) > 0
-    wait_for(session_known, 60, "a's worker-side store to record session agent-1")
+    try:
+        wait_for(session_known, 60, "a's worker-side store to record session agent-1")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; a's log ends:\n{a.log_tail()}") from None
     row = _sessions(policy_file)["agent-1"]
     assert row["turns"] == 1 and row["chain_blocks"] == (len(prompt) - 1) // CHUNK
     wait_for(lambda: a.metric("kvtier_save_bytes_total") > 0, 30, "a's save metrics")
@@ -162,6 +187,6 @@ def test_a_server_stopped_with_a_drain_time_writes_what_it_queued(servers):
     a.complete(prompt)
     a.close()
     assert a.proc.returncode == 0
-    assert "kvtier: worker stopped in" in a.log_path.read_text()
+    assert "kvtier: worker stopped in" in a.log_path.read_text(), a.log_tail()
     keys = chunk_keys(prompt, cluster.policy("a"))[: (len(prompt) - 1) // CHUNK]
     assert len(files_of(cluster.shared, keys)) == len(keys)  # down to the shared tier

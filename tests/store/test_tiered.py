@@ -237,6 +237,26 @@ def test_session_rows_follow_blocks_that_land_or_move_after_the_turn(tmp_path, s
         assert store.placement.refresh_rows() == 0  # nothing moved since
 
 
+def test_a_stopping_mover_finishes_persists_and_drops_promotions(tmp_path, shared_master):
+    """vLLM gives a stopping worker a few seconds: the mover writes what only the pool holds
+    and drops the lifts into a store about to close (their source keeps the blocks)."""
+    lifted, fresh = block_keys(NS, range(16 * 4)), block_keys(NS, range(1000, 1000 + 16 * 4))
+    with TieredStore(small_policy(tmp_path, shared_master), mover=False) as store:
+        dram, nvme = store.tiers[0], store.by_name["nvme"]
+        store.save(lifted, frames_for(lifted))
+        store.mover.drain()
+        store.mover.demote(dram, lifted)
+        store.mover.promote(lifted, "nvme")
+        store.save(fresh, frames_for(fresh))
+        assert store.mover.pending() == 8
+        store.mover.stop()
+        assert store.mover.pending() == 4 and store.mover.stats["promote_dropped_at_stop"] == 4
+        store.mover.drain()
+        assert nvme.contains(fresh) == [True] * 4
+        assert dram.contains(lifted) == [False] * 4 and nvme.contains(lifted) == [True] * 4
+        assert check_loaded(store, lifted) == [PAYLOAD] * 4
+
+
 def tick_until_prefetching(store, now, steps=400):
     """Advance the fake clock in 0.1 ms steps, ticking the mover, until it queues a
     prefetch (bounded)."""
