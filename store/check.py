@@ -7,7 +7,9 @@ entries (`store.check_index`), and what each tier's `check()` finds. `fix=True` 
 cannot be trusted (index entries without bytes, bytes without entries, frames that fail
 verification, PENDING entries of dead writers, stale temp files), rewrites the counters, and
 checks again; a tier that could not be opened (a mount missing, a master down while the index
-records pool blocks) is `unchecked`, and a report with one is never clean.
+records pool blocks) is `unchecked`, and a report with one is never clean. Notices
+(`tiers.base.NOTICE_KINDS`: a shared file another node evicted) are reported and fixed, and
+leave a report clean.
 
 Tiers are opened with `TierContext(recover=False)`: their open-time crash recovery (dropping
 dead writers' PENDING entries, sweeping stale temps) would otherwise clean the very leftovers
@@ -31,7 +33,7 @@ from kvtier.store.index_record import READY
 from kvtier.store.master import master_answers
 from kvtier.store.session_store import referenced_keys
 from kvtier.tiers import Tier, TierContext, open_tier
-from kvtier.tiers.base import Problem
+from kvtier.tiers.base import NOTICE_KINDS, Problem
 
 
 @dataclass
@@ -43,7 +45,8 @@ class CheckReport:
 
     @property
     def clean(self) -> bool:
-        return not self.problems and not self.unchecked
+        """No problem (notices such as `gone` aside) and every tier checked."""
+        return not self.unchecked and all(p.kind in NOTICE_KINDS for p in self.problems)
 
     def to_dict(self) -> dict:
         return {"clean": self.clean, "fixed": self.fixed, "skipped": self.skipped,
@@ -173,9 +176,10 @@ def _collect_junk(index: Index, tiers: list[Tier], result: dict, dry_run: bool,
     junk = dead_pending(index)
     for tier in tiers:
         found = tier.check(_labelled(progress, f"checking {tier.name}"))
-        junk.extend(p for p in found if p.kind in ("orphan", "stale_temp", "missing", "corrupt"))
+        junk.extend(p for p in found
+                    if p.kind in ("orphan", "stale_temp", "missing", "gone", "corrupt"))
     counts = {"orphans": ("orphan",), "stale_temp": ("stale_temp",), "pending": ("pending",),
-              "bad_entries": ("missing", "corrupt")}
+              "bad_entries": ("missing", "gone", "corrupt")}
     for name, kinds in counts.items():
         result[name] = sum(1 for p in junk if p.kind in kinds)
     if not dry_run and junk:

@@ -69,6 +69,10 @@ class TierCounters:
                     if not f.name.startswith("_")}
 
 
+# Kinds a check reports and a fix clears, which still leave the check clean.
+NOTICE_KINDS = frozenset({"gone"})
+
+
 @dataclass(frozen=True)
 class Problem:
     """One inconsistency `check` found between the index, the tier's bytes and checksums.
@@ -77,7 +81,10 @@ class Problem:
     `size` / `checksum` (entry and stored frame disagree), `corrupt` (frame fails
     verification), `pending` (a dead writer's PENDING entry), `stale_temp` (a temp file left
     by a dead writer), `region` (nvme: the region table and an entry disagree on what lies
-    where), `stats` (a tier's usage counters disagree with its entries).
+    where), `stats` (a tier's usage counters disagree with its entries), `gone` (a shared
+    tier: this node's entry, and nothing at all at its path: another node evicted the file,
+    or it was lost. Either way a read is a plain miss and forgets the entry, so it is a
+    notice, not a problem: it leaves a check clean, and `fix` drops the entry).
     """
 
     kind: str

@@ -13,11 +13,14 @@ Guarantees:
   verification is `corrupt` whoever wrote it (nobody may trust it);
 - safe beside live writers and other nodes: a file replaced or removed while it was read, an
   entry that changed meanwhile, or a temp file still being written is not a problem;
-- kinds: `missing` (this node's entry, no regular file), `corrupt`, `size` / `checksum` (a file
+- kinds: `gone` (this node's entry, nothing at its path: a notice, see `Problem`),
+  `missing` (this node's entry, something other than a regular file at its path), `corrupt`,
+  `size` / `checksum` (a file
   that verifies, and this node's entry of it disagrees), `stale_temp`, `orphan` (see
   `tiers.sharedfs_walk`).
 
-`repair` looks at each keyed problem again, then: drops an entry without a file; moves a
+`repair` looks at each keyed problem again, then: drops an entry without a file (`gone`,
+`missing`); moves a
 corrupt file to `.quarantine/` (as a read does) and drops this node's entry; replaces an entry
 that disagrees with a sound file by one that matches the file (the untrusted entry goes, the
 verified block stays and this node keeps accounting for it); deletes stale temps and orphans
@@ -42,7 +45,7 @@ from kvtier.tiers.check_files import (Ticker, batches, entry_pages, lstat_or_non
                                       remove_path)
 from kvtier.tiers.sharedfs_walk import junk_problem, list_leaf, walk_top
 
-KEYED = ("missing", "corrupt", "size", "checksum")
+KEYED = ("missing", "gone", "corrupt", "size", "checksum")
 
 
 def check(tier, progress=None) -> list[Problem]:
@@ -130,6 +133,12 @@ def _entry_problem(tier, e: Entry, blocks, headers) -> Problem | None:
     if e.key not in blocks:
         if files.is_file(path):
             return None  # written after the walk
+        if lstat_or_none(path) is None:
+            # Every node may evict any file of a shared tier; this node's entry stays until
+            # a read or a rescan meets the gap.
+            return Problem("gone", tier.name, e.key, str(path),
+                           "this node's index holds the block, its file is gone (another "
+                           "node evicted it, or it was lost); reads miss and drop the entry")
         return Problem("missing", tier.name, e.key, str(path),
                        "this node's index holds the block, no regular file does")
     h = headers.get(e.key)

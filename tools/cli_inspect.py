@@ -24,6 +24,7 @@ from kvtier.store.index_record import PENDING, READY
 from kvtier.store.keys import check_key
 from kvtier.store.session_store import read_sessions
 from kvtier.store.units import format_size
+from kvtier.tiers.base import NOTICE_KINDS
 
 app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
                   help="Inspect a node's index and tiers: summary, sessions, blocks, check, gc.")
@@ -221,12 +222,15 @@ def _render_check(console: Console, data: dict) -> None:
     _render_tiers(console, data)
     if data["fixed"]:
         console.print(f"fixed {data['fixed']} problems")
+    notices = sum(1 for p in data["problems"] if p["kind"] in NOTICE_KINDS)
     if data["clean"]:
         console.print("[green]clean[/green]")
-        return
     if not data["problems"]:
         return
-    table = Table(title=f"{len(data['problems'])} problems")
+    title = f"{len(data['problems']) - notices} problems"
+    if notices:
+        title += f", {notices} notices ({', '.join(sorted(NOTICE_KINDS))}: not problems)"
+    table = Table(title=title)
     for col in ("kind", "tier", "key", "path", "detail"):
         table.add_column(col)
     for p in data["problems"]:

@@ -167,6 +167,31 @@ def test_sharedfs_files_of_other_nodes(tmp_path):
     a.close()
 
 
+def test_sharedfs_files_another_node_evicted_are_notices(tmp_path):
+    """Any node may evict any file of the shared tier, and this node's entry of it stays
+    until a read or a rescan meets the gap: `gone`, a notice, not a problem (a check beside
+    other nodes reported these as `missing` and failed). Something other than a regular
+    file at the path is still `missing`."""
+    keys = keys_for(0, 4)
+    a = Opened(tmp_path, "sharedfs", node="node-a")
+    a.put(keys)
+    a.close()
+    b = Opened(tmp_path, "sharedfs", node="node-b")
+    assert b.tier.delete(keys[:2]) == 2  # b evicts blocks both nodes hold
+    b.close()
+    a = Opened(tmp_path, "sharedfs", node="node-a", recover=False)
+    link = block_path(a.tier.root, keys[3])
+    link.unlink()
+    link.symlink_to("/etc/hostname")
+    problems = a.tier.check()
+    assert {(p.kind, p.key) for p in problems if p.kind != "orphan"} == \
+        {("gone", keys[0]), ("gone", keys[1]), ("missing", keys[3])}
+    assert a.tier.repair(problems) >= 3
+    assert a.tier.check() == []
+    assert [e is not None for e in a.index.get(a.tier.name, keys)] == [False, False, True, False]
+    a.close()
+
+
 def test_quarantine_sweep_by_the_time_frames_were_set_aside(tmp_path):
     q = tmp_path / QUARANTINE
     q.mkdir()

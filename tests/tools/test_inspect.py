@@ -102,7 +102,7 @@ def plant_shared(root, ix: Index, keys: list[str]) -> set:
     _write_frame(shared_file(root, _key(7)))  # another node's block: fine
     (root / "shared" / QUARANTINE).mkdir(exist_ok=True)
     _touch(root / "shared" / QUARANTINE / f"{keys[13]}.node.1.kvb")  # set aside: fine
-    return {("missing", "shared", keys[6]), ("corrupt", "shared", keys[7]),
+    return {("gone", "shared", keys[6]), ("corrupt", "shared", keys[7]),
             ("checksum", "shared", keys[8]), ("orphan", "shared", keys[9]),
             ("missing", "shared", keys[9]), ("stale_temp", "shared", keys[10]),
             ("stale_temp", "shared", keys[11]), ("orphan", "shared", str(notes)),
@@ -176,6 +176,20 @@ def test_check_finds_every_planted_kind_and_fix_leaves_a_clean_store(tmp_path, s
     assert e is not None and e.checksum != 777
     assert ix.get("nvme", keys[:5]) == [None] * 5
     ix.close()
+
+
+def test_a_shared_file_another_node_evicted_leaves_the_check_clean(tmp_path, shared_master):
+    path, pol = write_policy(tmp_path, shared_master.address)
+    keys = session_keys(1, 4)["s0"]
+    fill(pol, {"s0": keys})
+    shared_file(tmp_path, keys[0]).unlink()  # as another node's eviction does
+    out = cli("check", "-p", str(path))
+    assert out.exit_code == 0 and "clean" in out.stdout and "1 notices" in out.stdout
+    data = json.loads(cli("check", "--json", "-p", str(path)).stdout)
+    assert data["clean"] and found(data["problems"]) == {("gone", "shared", keys[0])}
+    fixed = cli("check", "--fix", "--json", "-p", str(path))
+    assert fixed.exit_code == 0 and json.loads(fixed.stdout)["fixed"] == 1
+    assert json.loads(fixed.stdout)["problems"] == []
 
 
 def test_pool_entries_are_checked_against_the_master(tmp_path, shared_master):
