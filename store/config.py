@@ -148,12 +148,19 @@ class MooncakeTierConfig(BaseModel):
     service: Address | None = None
     service_embedded: bool = True  # start the service when none answers at `service`
     service_threads: int = Field(default=2, ge=1, le=64)
+    # Lend the segment from a file in this directory (a tmpfs: /dev/shm) instead of private
+    # memory: the other kvtier processes of the node then copy its blocks straight out of
+    # the file, with no transfer (`tiers.mooncake_files`). Embedded clients only.
+    segment_dir: str | None = None
     eviction: EvictionConfig | None = None
 
     @model_validator(mode="after")
     def _segment_big_enough(self) -> "MooncakeTierConfig":
         if self.capacity_bytes < 16 << 20:  # Mooncake refuses smaller segments (-600)
             raise ValueError("capacity must be at least 16MiB (Mooncake's smallest segment)")
+        if self.segment_dir is not None and self.service is not None:
+            raise ValueError("segment_dir and service exclude each other: the service lends "
+                             "the node's segment; drop one of them")
         return self
 
 

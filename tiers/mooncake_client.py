@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import os
 import threading
 from typing import Any
 
@@ -38,6 +39,7 @@ from kvtier.store.block import alloc_aligned
 from kvtier.store.config import MasterConfig, MooncakeTierConfig
 from kvtier.store.errors import MasterError, TierError, TierUnavailableError
 from kvtier.store.master import INSTALL_HINT, ensure_master, master_answers
+from kvtier.tiers.mooncake_files import LentFile
 
 OK = 0
 NO_AVAILABLE_HANDLE = -200   # pool full and nothing evictable
@@ -79,8 +81,9 @@ def buffer_address(buf) -> int:
 class _Handle:
     """A store client and the number of calls running on it, so it is closed only when idle."""
 
-    def __init__(self, store: Any):
+    def __init__(self, store: Any, lent: LentFile | None = None):
         self.store = store
+        self.lent = lent  # the file its segment is lent from (`segment_dir`)
         self.active = 0
         self.cv = threading.Condition(threading.Lock())  # not the default RLock: cheaper
 
@@ -88,6 +91,8 @@ class _Handle:
         with self.cv:
             self.cv.wait_for(lambda: self.active == 0, timeout_s)
         self.store.close()
+        if self.lent is not None:
+            self.lent.remove()
 
 
 class _Session:
@@ -128,7 +133,7 @@ class MooncakeClient:
         # Registered scratch memory for frames in unregistered buffers (shared memory with
         # the pool service, replaced on each reconnect: a new service maps none of the old).
         self.staging: memoryview | None = None
-        self._handle = _Handle(self._new_store())
+        self._handle = _Handle(*self._new_store_lent())
         self.segment = self._segment_name(self._handle.store)  # where prefer_local puts
         self.replicate = self._replicate_config()
 
@@ -152,7 +157,46 @@ class MooncakeClient:
             raise TierUnavailableError(f"tier {self.cfg.name!r}: {e}") from None
         self.owned_master = owned or self.owned_master
 
-    def _new_store(self) -> Any:
+    def _new_store_lent(self) -> tuple[Any, LentFile | None]:
+        """A connected store client, and the file it lends its segment from (if any)."""
+        if not (self.cfg.segment_dir and self.lend and not self.cfg.service):
+            return self._new_store(), None
+        store = self._new_store(segment=False)
+        lent = LentFile(self.cfg.segment_dir, self.cfg.capacity_bytes, self.cfg.name)
+        try:
+            got = store.mount_segment(str(lent.path), self.cfg.capacity_bytes, 0,
+                                      self.cfg.protocol, "")
+            if got.get("ret") != OK:
+                raise TierUnavailableError(
+                    f"tier {self.cfg.name!r}: mounting the segment file {lent.path} failed "
+                    f"(code {got.get('ret')}) at {self._where()}; check the master's log")
+            base = lent.base()
+            lent.publish(self._own_endpoint(store, base), base)
+        except BaseException:
+            store.close()
+            lent.remove()
+            raise
+        return store, lent
+
+    def _own_endpoint(self, store: Any, base: int) -> str:
+        """The transport endpoint the master names for this client's segment (replica
+        descriptors carry it, not `get_hostname()`): read off a small object put there."""
+        key = f"kvtier-probe/{store.get_hostname()}/{os.getpid()}"
+        rc = self.mc.ReplicateConfig()
+        rc.preferred_segment = store.get_hostname()
+        frame = np.zeros(4096, dtype=np.uint8)
+        code = store.put(key, frame.tobytes(), rc)
+        descs = store.get_replica_desc(key) if code in (OK, -705) else []
+        for d in descs:
+            if d.is_memory_replica():
+                bd = d.get_memory_descriptor().buffer_descriptor
+                if base <= bd.buffer_address < base + self.cfg.capacity_bytes:
+                    return bd.transport_endpoint
+        raise TierUnavailableError(f"tier {self.cfg.name!r}: a probe object put in this "
+                                   f"process's segment file did not land in it (code {code}); "
+                                   "drop segment_dir")
+
+    def _new_store(self, segment: bool = True) -> Any:
         self._ensure_master()
         store = self.mc.MooncakeDistributedStore()
         if self.cfg.service:
@@ -162,7 +206,7 @@ class MooncakeClient:
             self._add_reg(buffer_address(self.staging), len(self.staging), self.staging)
         cfg = self.cfg
         rc = store.setup(cfg.local_hostname, self.master.metadata_server,
-                         cfg.capacity_bytes if self.lend else 0,
+                         cfg.capacity_bytes if self.lend and segment else 0,
                          cfg.buffer_bytes, cfg.protocol, cfg.device, self.master.address)
         if rc != OK:
             raise TierUnavailableError(
@@ -235,7 +279,7 @@ class MooncakeClient:
         with self._lock:
             if not self._down:
                 return  # another thread reconnected while we waited
-            new = _Handle(self._new_store())
+            new = _Handle(*self._new_store_lent())
             old, self._handle = self._handle, new
             self.segment = self._segment_name(new.store)
             self.replicate = self._replicate_config()  # the new segment is the local one

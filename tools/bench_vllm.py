@@ -22,6 +22,8 @@ Targets (issue 5): dram within 1.5x of local; at 16K tokens dram at least 20x fa
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -46,7 +48,9 @@ class BenchSpec:
     dtype: str = "bfloat16"
     inproc: bool = True
     # "service": both engines join one pool service (the node's segment, shared memory);
-    # "embedded": each engine lends its own segment and reads the other's over TCP.
+    # "embedded": each engine lends its own segment and reads the other's over TCP;
+    # "files": as embedded, segments lent from /dev/shm files the other engine reads
+    # straight out of (`segment_dir`).
     pool: str = "service"
 
 
@@ -67,9 +71,11 @@ class Result:
 
 
 def node_policy(root: Path, node: str, master: str, spec: BenchSpec,
-                service: str | None = None) -> dict:
+                service: str | None = None, segment_dir: Path | None = None) -> dict:
     dram = {"name": "dram", "kind": "mooncake", "capacity": "1GiB", "buffer": "128MiB",
             "staging": "128MiB"}
+    if segment_dir:
+        dram["segment_dir"] = str(segment_dir)
     if service:
         dram |= {"capacity": "2GiB", "service": service, "service_embedded": False}
     return {"namespace": {"model": "tiny-llama"}, "chunk_tokens": spec.chunk_tokens,
@@ -98,14 +104,17 @@ class Bench:
             dram = policy_from_dict(node_policy(root, "a", self.master_cfg.address, spec,
                                                 address)).tiers[0]
             self.service = PoolService(dram, self.master_cfg).start()
-        elif spec.pool != "embedded":
-            raise ValueError(f"pool must be 'service' or 'embedded', not {spec.pool!r}")
+        elif spec.pool not in ("embedded", "files"):
+            raise ValueError(f"pool must be 'service', 'embedded' or 'files', not "
+                             f"{spec.pool!r}")
+        self.segment_dir = (Path("/dev/shm") / f"kvtier-bench-{os.getpid()}"
+                            if spec.pool == "files" else None)
         self.engines: dict[str, Engine] = {}
         self.seed = 0
 
     def policy(self, node: str) -> dict:
         return node_policy(self.root, node, self.master_cfg.address, self.spec,
-                           self.service.address if self.service else None)
+                           self.service.address if self.service else None, self.segment_dir)
 
     def start(self) -> None:
         for node in ("a", "b"):
@@ -179,6 +188,8 @@ class Bench:
         if self.service is not None:
             self.service.stop()
         self.master.stop()
+        if self.segment_dir is not None:
+            shutil.rmtree(self.segment_dir, ignore_errors=True)
 
 
 def targets(results: list[Result]) -> list[dict]:

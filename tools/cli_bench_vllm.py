@@ -23,7 +23,9 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
                                         "engine (scheduler and worker apart; slow start)"),
          pool: str = typer.Option("service", help="service: both engines join one pool "
                                   "service (shared memory); embedded: each lends its own "
-                                  "segment, the other reads it over TCP"),
+                                  "segment, the other reads it over TCP; files: embedded, "
+                                  "segments lent from /dev/shm files the other reads "
+                                  "directly"),
          dir: Optional[Path] = typer.Option(None, "--dir", help="keep the model, tiers and "
                                             "logs here (default: a temp dir)"),
          json_out: Optional[Path] = typer.Option(None, "--json", help="write the numbers here"),

@@ -182,3 +182,10 @@ def test_kvtier_must_demote_before_the_master_evicts(tmp_path):
     with pytest.raises(ConfigError, match=r"mover.high_watermark: must be below "
                                           r"master.eviction_high_watermark_ratio"):
         load_policy(write(tmp_path, data))
+
+
+def test_segment_dir_and_service_exclude_each_other(tmp_path):
+    data = base(tmp_path)
+    data["tiers"][0].update(service="127.0.0.1:5000", segment_dir=str(tmp_path / "shm"))
+    with pytest.raises(ConfigError, match="segment_dir and service exclude each other"):
+        load_policy(write(tmp_path, data))

@@ -365,3 +365,89 @@ def test_embedded_master_killed_is_replaced_by_the_next_call(tmp_path):
     finally:
         tier.close()
         tier.client.owned_master.stop()
+
+
+def test_blocks_in_a_segment_file_are_read_straight_from_it(tmp_path, monkeypatch):
+    """`segment_dir`: the lender's segment is a file; a reader copies blocks out of it and
+    sends only the rest (misses, bad frames) through Mooncake's transfer."""
+    from kvtier.tiers.mooncake_files import parse_name
+    master = start_master(tmp_path)
+    files = tmp_path / "shm"
+    lender = open_pool(tmp_path / "a", master.address, capacity="16MiB", staging="8MiB",
+                       segment_dir=str(files))
+    reader = open_pool(tmp_path / "b", master.address, lend=False, capacity="16MiB",
+                       staging="8MiB", segment_dir=str(files))
+    sent = []
+    transfer = reader._transfer
+    monkeypatch.setattr(reader, "_transfer",
+                        lambda op, keys, *a, **kw: sent.append(list(keys)) or
+                        transfer(op, keys, *a, **kw))
+    try:
+        [seg] = list(files.glob("kvtier-seg-*"))
+        assert parse_name(seg.name)[2] == os.getpid()
+        keys, frames = frames_for(3, 1 << 20)
+        assert lender.put(keys, frames) == [True] * 3
+        absent = new_key()
+        outs = [bytearray(HEADER_SIZE + (1 << 20)) for _ in range(4)]
+        assert reader.get(keys + [absent], outs) == [1 << 20] * 3 + [MISS]
+        assert [bytes(o) for o in outs[:3]] == [bytes(f) for f in frames]
+        assert sent == [[absent]]  # only the miss went through Mooncake
+
+        # A frame that fails its check is read the usual way, which quarantines it.
+        mem = seg.read_bytes()
+        at = mem.find(bytes(frames[0][HEADER_SIZE:HEADER_SIZE + 64]))
+        with open(seg, "r+b") as f:
+            f.seek(at + 100)
+            f.write(bytes([mem[at + 100] ^ 1]))
+        sent.clear()
+        assert reader.get(keys[:2], outs[:2]) == [MISS, 1 << 20]
+        assert sent == [[keys[0]]] and reader.counters()["corrupt"] == 1
+    finally:
+        reader.close()
+        lender.close()
+        master.stop()
+    assert not list(files.glob("kvtier-seg-*"))  # the lender took its file along
+
+
+def test_segment_files_of_dead_lenders_are_swept_and_a_full_dir_is_a_clear_error(
+        tmp_path, monkeypatch):
+    from kvtier.tiers import mooncake_files
+    files = tmp_path / "shm"
+    files.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = files / mooncake_files.file_name("127.0.0.1:1234", 0x7f00, dead.pid)
+    stale.write_bytes(b"x")
+    mine = files / mooncake_files.file_name("127.0.0.1:1235", 0x7f00, os.getpid())
+    mine.write_bytes(b"x")
+    assert mooncake_files.sweep(files) == 1
+    assert not stale.exists() and mine.exists()
+
+    def no_space(fd, offset, length):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", no_space)  # a tmpfs smaller than capacity
+    with pytest.raises(TierUnavailableError, match=r"cannot hold a 16 MiB segment.*--shm-size"):
+        mooncake_files.LentFile(files, 16 << 20, "dram")
+    assert {p.name for p in files.iterdir()} == {mine.name}
+
+
+def test_segment_mappings_follow_their_files(tmp_path, monkeypatch):
+    """A reader drops the mapping of a lender that stopped (it would keep the file's memory
+    alive) and maps the file of a new lender at the same endpoint."""
+    from kvtier.tiers import mooncake_files
+    monkeypatch.setattr(mooncake_files, "REFRESH_S", 0.0)
+    old = tmp_path / mooncake_files.file_name("127.0.0.1:7000", 0x1000, os.getpid())
+    old.write_bytes(b"a" * 4096)
+    segs = mooncake_files.Segments(tmp_path)
+    view, base = segs.view("127.0.0.1:7000")
+    assert base == 0x1000 and bytes(view[:1]) == b"a"
+    assert segs.view("127.0.0.1:7001") is None
+    del view
+    old.unlink()
+    assert segs.view("127.0.0.1:7000") is None and segs._maps == {}
+    new = tmp_path / mooncake_files.file_name("127.0.0.1:7000", 0x2000, os.getpid())
+    new.write_bytes(b"b" * 4096)
+    view, base = segs.view("127.0.0.1:7000")
+    assert base == 0x2000 and bytes(view[:1]) == b"b"
+    del view
+    segs.close()

@@ -195,6 +195,12 @@ def _mooncake_extra(request) -> dict:
     return {"master_address": request.getfixturevalue("shared_master").address}
 
 
+def _files_extra(request) -> dict:
+    """Segments lent from files: every process of the test maps the others' (`segment_dir`)."""
+    shm = request.getfixturevalue("tmp_path") / "shm"
+    return {**_mooncake_extra(request), "segment_dir": str(shm)}
+
+
 _SERVICES: dict[str, PoolService] = {}  # pool services this test process started
 
 
@@ -230,6 +236,9 @@ FACTORIES: dict[str, TierFactory] = {
     "mooncake-service": TierFactory(_mooncake_config, _mooncake_raw_read, _mooncake_raw_write,
                                     extra_for=_service_extra, prepare=_start_service,
                                     shared_by_processes=True),
+    # Segments lent from files, read straight from them by the other processes.
+    "mooncake-files": TierFactory(_mooncake_config, _mooncake_raw_read, _mooncake_raw_write,
+                                  extra_for=_files_extra, outlives_writer=False),
     "nvme-uring": TierFactory(_nvme_config("uring"), _nvme_raw_read, _nvme_raw_write),
     "nvme-psync": TierFactory(_nvme_config("psync"), _nvme_raw_read, _nvme_raw_write),
     "sharedfs": TierFactory(_sharedfs_config, _sharedfs_raw_read, _sharedfs_raw_write),
