@@ -6,6 +6,7 @@ Every server binds loopback on a free port; every fixture stops what it starts.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,18 @@ def metric_sum(url: str, name: str) -> float:
         if not line.startswith("#") and head.split("{", 1)[0] == name:
             total += float(value)
     return total
+
+
+def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.05):
+    """Poll `predicate` until it returns something truthy; return it, or fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(every_s)
 
 
 def venv_python() -> str:

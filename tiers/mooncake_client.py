@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import os
+import secrets
 import threading
 from typing import Any
 
@@ -181,12 +182,13 @@ class MooncakeClient:
     def _own_endpoint(self, store: Any, base: int) -> str:
         """The transport endpoint the master names for this client's segment (replica
         descriptors carry it, not `get_hostname()`): read off a small object put there."""
-        key = f"kvtier-probe/{store.get_hostname()}/{os.getpid()}"
+        # A new key each time: after a reconnect the master may still hold the last probe,
+        # in the segment this client lent before.
+        key = f"kvtier-probe/{store.get_hostname()}/{os.getpid()}/{secrets.token_hex(4)}"
         rc = self.mc.ReplicateConfig()
         rc.preferred_segment = store.get_hostname()
-        frame = np.zeros(4096, dtype=np.uint8)
-        code = store.put(key, frame.tobytes(), rc)
-        descs = store.get_replica_desc(key) if code in (OK, -705) else []
+        code = store.put(key, bytes(4096), rc)
+        descs = store.get_replica_desc(key) if code == OK else []
         for d in descs:
             if d.is_memory_replica():
                 bd = d.get_memory_descriptor().buffer_descriptor

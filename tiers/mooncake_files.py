@@ -26,6 +26,7 @@ import errno
 import mmap
 import os
 import re
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -77,8 +78,8 @@ def sweep(directory: Path) -> int:
 
 
 def _tmp_pid(name: str) -> int | None:
-    """The pid of a file still under its first name (`kvtier-seg-new-<pid>.mem`)."""
-    m = re.match(r"^kvtier-seg-new-(\d+)\.mem$", name)
+    """The pid of a file still under its first name (`kvtier-seg-new-<pid>-<token>.mem`)."""
+    m = re.match(r"^kvtier-seg-new-(\d+)-[0-9a-f]+\.mem$", name)
     return int(m.group(1)) if m else None
 
 
@@ -95,7 +96,7 @@ class LentFile:
                                        f"({e.strerror}); point it at a writable tmpfs "
                                        "such as /dev/shm") from None
         sweep(self.dir)
-        self.path = self.dir / f"{PREFIX}new-{os.getpid()}.mem"
+        self.path = self.dir / f"{PREFIX}new-{os.getpid()}-{secrets.token_hex(4)}.mem"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)

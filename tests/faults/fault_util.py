@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import wait_until  # noqa: F401  (the fault tests import it from here)
 from kvtier.store import block
 from kvtier.store.config import Policy, policy_from_dict
 from kvtier.store.keys import Namespace, id_chain_hashes, make_keys
@@ -172,16 +173,6 @@ class Child:
             self.log.close()
 
 
-def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.05):
-    """Poll `predicate` until it returns something truthy; return it, or fail naming `what`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = predicate()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(every_s)
 
 
 # ---- a node's store ----------------------------------------------------------------------

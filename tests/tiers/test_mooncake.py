@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_policy, metric_sum, start_master
+from conftest import make_policy, metric_sum, start_master, wait_until
 from kvtier.store.block import HEADER_SIZE, alloc_aligned, encode
 from kvtier.store.config import MasterConfig
 from kvtier.store.errors import TierError, TierFullError, TierUnavailableError
@@ -262,11 +262,13 @@ def test_embedded_master_is_started_when_none_answers(tmp_path):
         tier.client.owned_master.stop()
 
 
-def test_master_killed_mid_run_then_restarted_on_the_same_port(tmp_path):
+@pytest.mark.parametrize("files", [False, True], ids=["private", "segment_dir"])
+def test_master_killed_mid_run_then_restarted_on_the_same_port(tmp_path, files):
     port = free_port()
     cfg = MasterConfig(address=f"127.0.0.1:{port}")
     master = EmbeddedMaster(cfg, log_path=tmp_path / "m1.log").start()
-    tier = open_pool(tmp_path, master.address)
+    shm = tmp_path / "shm"
+    tier = open_pool(tmp_path, master.address, **({"segment_dir": str(shm)} if files else {}))
     try:
         keys, frames = frames_for(2, 256 << 10)
         assert tier.put(keys, frames) == [True, True]
@@ -285,9 +287,13 @@ def test_master_killed_mid_run_then_restarted_on_the_same_port(tmp_path):
         assert tier.put(keys, frames) == [True, True]  # same process, reconnected
         assert tier.get(keys, outs) == [256 << 10] * 2
         assert [bytes(o) for o in outs] == [bytes(f) for f in frames]
+        if files:  # the new client lends a new file; the old one goes with the old client
+            wait_until(lambda: len(list(shm.glob("kvtier-seg-*"))) == 1, 30,
+                       "the old client's segment file to go")
     finally:
         tier.close()
         master.stop()
+    assert not files or not list(shm.glob("kvtier-seg-*"))
 
 
 def test_two_processes_exchange_blocks(tmp_path):
@@ -418,10 +424,12 @@ def test_segment_files_of_dead_lenders_are_swept_and_a_full_dir_is_a_clear_error
     dead.wait()
     stale = files / mooncake_files.file_name("127.0.0.1:1234", 0x7f00, dead.pid)
     stale.write_bytes(b"x")
+    unnamed = files / f"kvtier-seg-new-{dead.pid}-ab12cd34.mem"  # died before its mount
+    unnamed.write_bytes(b"x")
     mine = files / mooncake_files.file_name("127.0.0.1:1235", 0x7f00, os.getpid())
     mine.write_bytes(b"x")
-    assert mooncake_files.sweep(files) == 1
-    assert not stale.exists() and mine.exists()
+    assert mooncake_files.sweep(files) == 2
+    assert not stale.exists() and not unnamed.exists() and mine.exists()
 
     def no_space(fd, offset, length):
         raise OSError(28, "No space left on device")
