@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import wait_until  # noqa: F401  (the fault tests import it from here)
 from kvtier.store import block
 from kvtier.store.config import Policy, policy_from_dict
 from kvtier.store.keys import Namespace, id_chain_hashes, make_keys

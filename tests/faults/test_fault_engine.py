@@ -23,7 +23,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from conftest import start_master  # noqa: E402
-from fault_util import wait_until, without_pool  # noqa: E402
+from conftest import wait_until  # noqa: E402
+from fault_util import without_pool  # noqa: E402
 from kvtier.store.check import check_node  # noqa: E402
 from kvtier.store.config import policy_from_dict  # noqa: E402
 from kvtier.tools.vllm_engine import (Engine, EngineError, kvtier_transfer_config,  # noqa: E402

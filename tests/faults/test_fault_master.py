@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from conftest import start_master
-from fault_util import KiB, frame_for, load_checked, make, policy_dict, request_keys, wait_until
+from conftest import start_master, wait_until
+from fault_util import KiB, frame_for, load_checked, make, policy_dict, request_keys
 from kvtier.store.master import EmbeddedMaster
 from kvtier.store.tiered import TieredStore
 
