@@ -84,7 +84,8 @@ def _tmp_pid(name: str) -> int | None:
 
 
 class LentFile:
-    """The file a client lends its segment from (`create`, then `publish` once mounted)."""
+    """The file a client lends its segment from: made and allocated in full here, renamed by
+    `publish` once Mooncake has mounted it, removed by `remove` after the client closed."""
 
     def __init__(self, directory: str | os.PathLike[str], size: int, tier: str):
         self.dir = Path(directory)
