@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from kvtier.store.errors import TierUnavailableError
+from kvtier.store.index_record import owner_alive
 
 PREFIX = "kvtier-seg-"
 _NAME = re.compile(r"^kvtier-seg-(.+)_(\d+)-([0-9a-f]+)-(\d+)\.mem$")
@@ -52,28 +53,21 @@ def parse_name(name: str) -> tuple[str, int, int] | None:
     return f"{m.group(1)}:{m.group(2)}", int(m.group(3), 16), int(m.group(4))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: alive, and not ours to judge
-    return True
-
-
 def sweep(directory: Path) -> int:
-    """Remove segment files whose lender is gone; returns how many."""
+    """Remove segment files whose lender is gone (a pid reused since counts as gone: the
+    process holding it started after the file was written); returns how many."""
     n = 0
     for path in directory.glob(PREFIX + "*"):
         parsed = parse_name(path.name)
         pid = parsed[2] if parsed else _tmp_pid(path.name)
-        if pid is not None and not _alive(pid):
-            try:
+        if pid is None:
+            continue
+        try:
+            if not owner_alive(pid, path.stat().st_mtime):
                 path.unlink()
                 n += 1
-            except FileNotFoundError:
-                pass
+        except FileNotFoundError:
+            pass
     return n
 
 
