@@ -202,16 +202,21 @@ class MooncakeTier(Tier):
                 descs = store.batch_get_replica_desc([keys[i] for i in todo])
         except Exception:  # noqa: BLE001 - the transfer path reports what is wrong
             return todo
-        complete = self.client.mc.ReplicaStatus.COMPLETE
+        # Every attribute of a descriptor is a pybind call, and 511 keys are a 16K-token
+        # hit: ints instead of the status enum's ==, one segment lookup per endpoint.
+        complete = int(self.client.mc.ReplicaStatus.COMPLETE)
+        segs: dict[str, tuple[memoryview, int] | None] = {}
         left = []
         for i in todo:
             where = None
             for d in descs.get(keys[i], ()):
-                if d.is_memory_replica() and d.status == complete:
+                if d.is_memory_replica() and int(d.status) == complete:
                     bd = d.get_memory_descriptor().buffer_descriptor
-                    seg = self.segments.view(bd.transport_endpoint)
-                    if seg is not None:
-                        where = (seg, bd.buffer_address, bd.size, bd.transport_endpoint)
+                    endpoint = bd.transport_endpoint
+                    if endpoint not in segs:
+                        segs[endpoint] = self.segments.view(endpoint)
+                    if segs[endpoint] is not None:
+                        where = (segs[endpoint], bd.buffer_address, bd.size, endpoint)
                         break
             if where is None:
                 left.append(i)
@@ -225,8 +230,9 @@ class MooncakeTier(Tier):
             try:
                 result[i] = verified_len(views[i][:n], keys[i], n)
             except CorruptBlockError:
-                # a bad frame, or a stale mapping (a new lender at the same endpoint)
-                self.segments.forget(endpoint)
+                # a bad frame, a frame overwritten meanwhile, or a stale mapping (a new
+                # lender at the same endpoint)
+                self.segments.recheck()
                 left.append(i)
         return left
 

@@ -8,6 +8,7 @@ holds what only the pool has (segments, leases, master restarts, codes).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -459,3 +460,33 @@ def test_segment_mappings_follow_their_files(tmp_path, monkeypatch):
     assert base == 0x2000 and bytes(view[:1]) == b"b"
     del view
     segs.close()
+
+
+def _resident_kib(path: Path) -> int:
+    """Kilobytes of `path`'s mapping in this process's page tables (smaps `Rss`)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith(str(path)):
+            return next(int(l.split()[1]) for l in lines[i + 1:] if l.startswith("Rss:"))
+    raise AssertionError(f"{path} is not mapped")
+
+
+def test_a_new_mapping_has_its_pages_mapped_in_the_background(tmp_path):
+    """Reads must not pay a page fault per 4 KiB of a segment seen for the first time."""
+    from kvtier.tiers import mooncake_files
+    shm = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{tmp_path.name}"
+    shm.mkdir()
+    try:
+        path = shm / mooncake_files.file_name("127.0.0.1:7000", 0x1000, os.getpid())
+        with open(path, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, 32 << 20)
+        segs = mooncake_files.Segments(shm)
+        view, _ = segs.view("127.0.0.1:7000")
+        mapped = segs._maps["127.0.0.1:7000"]
+        assert mapped.populated.wait(30)
+        assert _resident_kib(path) == 32 << 10  # every page, none of them read
+        del view
+        segs.close()
+        assert not any(str(path) in l for l in Path("/proc/self/maps").read_text().splitlines())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
