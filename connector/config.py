@@ -8,6 +8,11 @@ Fields (all optional; unknown ones are errors):
 - `staging_buffer`: bytes of one staging buffer (default 64MiB; a batch of chunks moves
   through one buffer), `staging_buffers`: how many may be in flight for saves (default 4;
   more saves wait, they are never dropped).
+- `load`: how a hit is loaded. `async`: in the background while the engine runs other
+  requests; the request joins the next step once its load is done. `sync`: within the step
+  that schedules the request, before its forward (no step in between, but every request of
+  that step waits for the load). `auto` (default): `sync` when the engine runs no other
+  request (nothing to overlap with), else `async`.
 
 Every mistake raises `ConfigError` with one line naming the field and the fix. Nothing is
 read from environment variables.
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -37,6 +42,7 @@ class _ExtraConfig(BaseModel):
     staging_buffer_bytes: Annotated[int, BeforeValidator(parse_size)] = Field(
         default=64 << 20, alias="staging_buffer", ge=1 << 20)
     staging_buffers: int = Field(default=4, ge=1, le=256)
+    load: Literal["auto", "async", "sync"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class ConnectorConfig:
     node_id: str | None
     staging_buffer_bytes: int
     staging_buffers: int
+    load: str = "auto"
 
 
 def parse_extra_config(extra: Any) -> ConnectorConfig:
@@ -64,7 +71,8 @@ def parse_extra_config(extra: Any) -> ConnectorConfig:
         policy = policy_from_dict(cfg.policy, source=f"{SOURCE}.policy")
     else:
         policy = load_policy(_policy_file(cfg.kvtier_config))
-    return ConnectorConfig(policy, cfg.node_id, cfg.staging_buffer_bytes, cfg.staging_buffers)
+    return ConnectorConfig(policy, cfg.node_id, cfg.staging_buffer_bytes, cfg.staging_buffers,
+                           cfg.load)
 
 
 def _policy_file(path: Path | None) -> Path | None:

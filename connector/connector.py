@@ -84,7 +84,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker.start_load_kv(self._meta(), idle)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous and finish before their request is scheduled
+        return  # a load moves whole chunks (all layers); a synchronous one is done already
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:

@@ -9,7 +9,8 @@ thread, in `wait_for_save`); here it is sealed (header + checksum) and written t
 store. A failed save is only a future miss: it is counted and logged, never retried inline.
 
 Thread safety: `submit_*` are called from the model-runner thread; results are taken with
-`take_results`. On CUDA, loads run on a side stream that is synchronised before a request is
+`take_results`. A synchronous load (`load_now`) runs in the model-runner thread itself,
+beside this one; the two share the load staging buffer, one at a time. On CUDA, loads run on a side stream that is synchronised before a request is
 reported, and a save waits for the event recorded after its device-to-host copy.
 """
 
@@ -44,6 +45,7 @@ class LoadBatch:
     skip_first: int        # leading blocks of row 0 not written
     last: bool             # the request's final batch
     tiers: list[str] | None = None  # where the lookup found each chunk (asked first)
+    sync: bool = False     # run by `load_now`: its request is not reported as received
 
 
 @dataclass
@@ -108,6 +110,12 @@ class IOThread:
             self._saves.append(batch)
             self._cv.notify()
 
+    def load_now(self, batches: list[LoadBatch]) -> None:
+        """Run a synchronous load's batches in the calling thread, now (the step's forward
+        waits for them). Failed blocks are reported by `take_results` like any others."""
+        for batch in batches:
+            self._do(batch)
+
     def take_results(self) -> tuple[list[str], set[int]]:
         """(requests whose loads all finished, blocks that failed) since the last call."""
         with self._cv:
@@ -158,20 +166,24 @@ class IOThread:
                 job = self._loads.popleft() if self._loads else self._saves.popleft()
                 self._busy += 1
             try:
-                if isinstance(job, LoadBatch):
-                    self._load(job)
-                else:
-                    self._save(job)
-            except KVTierError as e:  # the store failed (e.g. its first tier is down)
-                log.warning("kvtier: %s for request %s failed: %s", type(job).__name__,
-                            job.req_id, e)
-                self._fail(job)
-            except Exception:  # a bug must not hang requests: fail the job, keep serving
-                log.exception("kvtier: I/O job for request %s failed", job.req_id)
-                self._fail(job)
+                self._do(job)
             finally:
                 with self._cv:
                     self._busy -= 1
+
+    def _do(self, job: LoadBatch | SaveBatch) -> None:
+        try:
+            if isinstance(job, LoadBatch):
+                self._load(job)
+            else:
+                self._save(job)
+        except KVTierError as e:  # the store failed (e.g. its first tier is down)
+            log.warning("kvtier: %s for request %s failed: %s", type(job).__name__,
+                        job.req_id, e)
+            self._fail(job)
+        except Exception:  # a bug must not hang requests: fail the job, keep serving
+            log.exception("kvtier: I/O job for request %s failed", job.req_id)
+            self._fail(job)
 
     def _fail(self, job: LoadBatch | SaveBatch) -> None:
         """A load that raised loads nothing (vLLM recomputes); a save that raised is lost."""
@@ -227,8 +239,9 @@ class IOThread:
                 self._failed_blocks |= failed
             if job.last:
                 self._failed_reqs.discard(job.req_id)
-                self._done_loads.append(job.req_id)
-                self._cv.notify_all()
+                if not job.sync:
+                    self._done_loads.append(job.req_id)
+                    self._cv.notify_all()
         if failed:
             with self.stats_lock:
                 self.stats.add("load_error_blocks", len(failed))

@@ -5,9 +5,11 @@ A job moves whole chunks: `keys[i]` (rank-0 namespace) is chunk i, `block_ids[i]
 
 - `LoadJob`: read the chunks and scatter them into the blocks; the first `skip_first`
   blocks of chunk 0 already hold a local prefix hit and are not written. `tiers[i]` is
-  where the lookup found chunk i (a hint: the load asks that tier first). The worker reports
-  the request in `finished_recving` when done, and every block it could not fill through
-  `get_block_ids_with_load_errors` (so vLLM recomputes from the first of them).
+  where the lookup found chunk i (a hint: the load asks that tier first). An asynchronous
+  job's request is reported in `finished_recving` when done; a `sync` job is done before
+  the step's forward (its request runs in this step). Either way every block the worker
+  could not fill goes out through `get_block_ids_with_load_errors` (so vLLM recomputes
+  from the first of them).
 - `SaveJob`: gather the chunks from the blocks and save them. The blocks must hold the KV of
   the chunk's tokens during the step the job arrives in (the worker gathers in
   `wait_for_save`, after that step's forward).
@@ -32,6 +34,7 @@ class LoadJob:
     block_ids: list[list[int]]
     skip_first: int = 0
     tiers: list[str] = field(default_factory=list)
+    sync: bool = False
 
 
 @dataclass

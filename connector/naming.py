@@ -116,8 +116,8 @@ def request_salt(request: Any) -> bytes | None:
     return "\x1f".join(parts).encode()
 
 
-def token_keys(ns: Namespace, tokens: Any, salt: bytes) -> list[str]:
-    return block_keys(ns, tokens, salt)
+def token_keys(ns: Namespace, tokens: Any, salt: bytes, after: str | None = None) -> list[str]:
+    return block_keys(ns, tokens, salt, after)
 
 
 def session_hint(request: Any) -> SessionHint | None:

@@ -3,9 +3,12 @@
 - `get_num_new_matched_tokens`: keys for the request's full chunks (leaving at least one
   token to compute), one batched `store.lookup` of the whole chain (the store attaches the
   request to its session by it; only the chunks past vLLM's local hit are looked for in the
-  tiers), and the part of the hit beyond vLLM's local hit, loaded asynchronously. The hit is
-  in whole chunks; a chunk that starts inside the local hit is loaded without overwriting the
-  local blocks.
+  tiers), and the part of the hit beyond vLLM's local hit. The hit is in whole chunks; a
+  chunk that starts inside the local hit is loaded without overwriting the local blocks. The
+  load is asynchronous, or synchronous (done before the forward of the step that schedules
+  the request) by the connector's `load` setting; `auto` loads synchronously when no other
+  request of the engine is running, since there is then nothing for the load to overlap
+  with and an asynchronous one only adds a step.
 - `update_state_after_alloc`: turns the hit into a `LoadJob` over the allocated blocks.
 - `build_connector_meta`: tracks every scheduled request's block ids, and emits a `SaveJob`
   for each chunk whose KV is complete after this step and not known to be in kvtier
@@ -63,6 +66,7 @@ class _Plan:
     first: int
     hits: int
     tiers: tuple[str, ...]
+    sync: bool
 
 
 @dataclass
@@ -90,6 +94,8 @@ class SchedulerSide:
         self.chunk = cfg.policy.chunk_tokens
         self.m = self.chunk // self.shape.block_size
         self.tier_kinds = {t.name: t.kind for t in cfg.policy.tiers}
+        self.load_mode = cfg.load
+        self._running = 0  # requests scheduled and not finished (for `load: auto`)
         self.store = storeref.acquire(cfg.policy, cfg.node_id, mover=False)
         # The worker side is built first in a shared process (storeref): a store without a
         # mover means the workers, and the stores that act on sessions, are elsewhere.
@@ -113,9 +119,11 @@ class SchedulerSide:
         return st
 
     def _keys(self, st: _Req, n_chunks: int) -> list[str]:
-        if len(st.keys) < n_chunks:
-            tokens = st.request.all_token_ids[: n_chunks * self.chunk]
-            st.keys = token_keys(self.ns, tokens, st.salt)
+        have = len(st.keys)
+        if have < n_chunks:  # a request's tokens only grow: extend its chain
+            tokens = st.request.all_token_ids[have * self.chunk: n_chunks * self.chunk]
+            st.keys = st.keys + token_keys(self.ns, tokens, st.salt,
+                                           st.keys[-1] if st.keys else None)
         return st.keys[:n_chunks]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
@@ -148,8 +156,14 @@ class SchedulerSide:
         if found.hit_blocks <= first or external <= 0:
             st.plan = None
             return 0, False
-        st.plan = _Plan(num_computed, first, found.hit_blocks - first, found.tiers[first:])
-        return external, True
+        sync = self._load_sync(st)
+        st.plan = _Plan(num_computed, first, found.hit_blocks - first, found.tiers[first:], sync)
+        return external, not sync
+
+    def _load_sync(self, st: _Req) -> bool:
+        if self.load_mode != "auto":
+            return self.load_mode == "sync"
+        return self._running == 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         st = self.reqs.get(request.request_id)
@@ -162,7 +176,7 @@ class SchedulerSide:
         rows = [ids[c * m:(c + 1) * m] for c in range(plan.first, plan.first + n)]
         skip = plan.num_computed // self.shape.block_size - plan.first * self.m
         self._loads.append(LoadJob(request.request_id, st.keys[plan.first:plan.first + n],
-                                   rows, skip, list(plan.tiers[:n])))
+                                   rows, skip, list(plan.tiers[:n]), plan.sync))
         st.loaded_upto = st.saved_upto = plan.first + n
         st.sources = self._account(st, plan, n, num_external)
 
@@ -200,6 +214,7 @@ class SchedulerSide:
             if st is None:
                 continue
             st.block_ids = list(new.block_ids[0])
+            self._running += not st.scheduled
             st.scheduled = True
             log.debug("kvtier: %s scheduled with %d computed tokens", new.req_id,
                       new.num_computed_tokens)
@@ -213,11 +228,17 @@ class SchedulerSide:
             if st is None:
                 continue
             new_ids = cached.new_block_ids[i]
+            computed = cached.num_computed_tokens[i]
             if req_id in cached.resumed_req_ids:
                 st.block_ids = list(new_ids[0]) if new_ids else []
-            elif new_ids:
-                st.block_ids.extend(new_ids[0])
-            self._plan_save(st, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id])
+            else:
+                if new_ids:
+                    st.block_ids.extend(new_ids[0])
+                if st.loaded_upto is not None and computed < st.saved_upto * self.chunk:
+                    # A synchronous load failed: vLLM truncated the request at its first bad
+                    # block and recomputes from there; save what it recomputes.
+                    st.saved_upto = computed // self.chunk
+            self._plan_save(st, computed + out.num_scheduled_tokens[req_id])
         meta = KVTierMetadata(self._loads, self._saves, self._hold, self._events)
         self._loads, self._saves, self._hold, self._events = [], [], [], []
         return meta
@@ -272,6 +293,7 @@ class SchedulerSide:
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False, None
+        self._running -= st.scheduled
         # never scheduled (aborted while loading): its blocks hold nothing to save
         hold = st.scheduled and self._plan_save(st, request.num_computed_tokens,
                                                 list(block_ids))

@@ -1,7 +1,8 @@
 """Worker side: the paged KV cache of one TP/PP rank, moved to and from the store.
 
-Per step (vLLM's model runner drives it): `start_load_kv` hands the step's load jobs to the
-I/O thread (asynchronous; those requests are not running); the forward runs; `wait_for_save`
+Per step (vLLM's model runner drives it): `start_load_kv` hands the step's asynchronous load
+jobs to the I/O thread (those requests are not running) and runs the synchronous ones
+before it returns (their requests run in this step's forward); the forward runs; `wait_for_save`
 gathers the step's save jobs into staging buffers right away, so the bytes are out of the
 paged blocks before any later step can reuse them (on CUDA the gather and one bulk
 device-to-host copy are queued on the compute stream, which orders them before later
@@ -129,8 +130,12 @@ class WorkerSide:
         if meta.loads:
             self._require_registered()
             for job in meta.loads:
-                self.io.submit_load(self._load_batches(job))
-                log.debug("kvtier: load %s queued: %d chunks", job.req_id, len(job.keys))
+                if not job.sync:
+                    self.io.submit_load(self._load_batches(job))
+                    log.debug("kvtier: load %s queued: %d chunks", job.req_id, len(job.keys))
+            for job in meta.loads:
+                if job.sync:
+                    self.io.load_now(self._load_batches(job))
 
     def _observe(self, events: list[StoreEvent]) -> None:
         """Replay the scheduler's lookups and turn ends into this process's store, before
@@ -152,7 +157,7 @@ class WorkerSide:
         starts = list(range(0, len(keys), step))
         return [LoadBatch(job.req_id, keys[s:s + step], job.block_ids[s:s + step],
                           job.skip_first if s == 0 else 0, last=(s == starts[-1]),
-                          tiers=job.tiers[s:s + step] or None)
+                          tiers=job.tiers[s:s + step] or None, sync=job.sync)
                 for s in starts]
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:

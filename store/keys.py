@@ -46,14 +46,17 @@ class Namespace:
 
 
 def chunk_hashes(tokens: Sequence[int] | np.ndarray, chunk_tokens: int,
-                 salt: bytes = b"") -> list[bytes]:
+                 salt: bytes = b"", parent: bytes | None = None) -> list[bytes]:
     """Chained 16-byte hashes, one per full chunk of `tokens`; a partial tail has none.
 
     `salt` separates prefixes that share tokens but not meaning (LoRA adapter, cache salt).
+    `parent`: the hash of the chunk just before `tokens`, to extend a chain computed earlier
+    (the salt is in it already).
     """
     arr = np.ascontiguousarray(np.asarray(tokens, dtype="<u4"))
     n_full = len(arr) // chunk_tokens
-    parent = hashlib.blake2b(salt, digest_size=_CHAIN_BYTES, person=_PERSON).digest()
+    if parent is None:
+        parent = hashlib.blake2b(salt, digest_size=_CHAIN_BYTES, person=_PERSON).digest()
     out: list[bytes] = []
     data = arr[: n_full * chunk_tokens].tobytes()
     step = chunk_tokens * 4
@@ -80,9 +83,13 @@ def make_keys(ns_fingerprint: str, chain: Iterable[bytes]) -> list[str]:
     return [ns_fingerprint + h.hex() for h in chain]
 
 
-def block_keys(ns: Namespace, tokens: Sequence[int] | np.ndarray, salt: bytes = b"") -> list[str]:
-    """The keys of every full chunk of `tokens` in namespace `ns`."""
-    return make_keys(ns.fingerprint(), chunk_hashes(tokens, ns.chunk_tokens, salt))
+def block_keys(ns: Namespace, tokens: Sequence[int] | np.ndarray, salt: bytes = b"",
+               after: str | None = None) -> list[str]:
+    """The keys of every full chunk of `tokens` in namespace `ns`; `after`: the key of the
+    chunk just before `tokens` (extends a chain: `block_keys(ns, t[:n]) + block_keys(ns,
+    t[n:], after=<the last of those>)` equals `block_keys(ns, t)` for n a chunk multiple)."""
+    parent = None if after is None else bytes.fromhex(check_key(after)[NS_HEX:])
+    return make_keys(ns.fingerprint(), chunk_hashes(tokens, ns.chunk_tokens, salt, parent))
 
 
 def is_key(key: object) -> bool:

@@ -52,6 +52,7 @@ class BenchSpec:
     # "files": as embedded, segments lent from /dev/shm files the other engine reads
     # straight out of (`segment_dir`).
     pool: str = "service"
+    load: str = "auto"  # the connector's `load` setting (auto, async, sync)
 
 
 @dataclass
@@ -121,7 +122,8 @@ class Bench:
             self.say(f"starting engine {node}")
             self.engines[node] = Engine(
                 self.model, self.root / f"engine-{node}.log",
-                kv_transfer_config=kvtier_transfer_config(self.policy(node), node_id=node),
+                kv_transfer_config=kvtier_transfer_config(self.policy(node), node_id=node,
+                                                          load=self.spec.load),
                 block_size=self.spec.block_size, dtype=self.spec.dtype,
                 max_model_len=max(self.spec.sizes) + 256, inproc=self.spec.inproc)
         for engine in self.engines.values():  # first requests pay one-time setup costs

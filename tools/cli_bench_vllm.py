@@ -26,6 +26,8 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
                                   "segment, the other reads it over TCP; files: embedded, "
                                   "segments lent from /dev/shm files the other reads "
                                   "directly"),
+         load: str = typer.Option("auto", help="the connector's load setting: auto (sync "
+                                  "when the engine runs nothing else), async, sync"),
          dir: Optional[Path] = typer.Option(None, "--dir", help="keep the model, tiers and "
                                             "logs here (default: a temp dir)"),
          json_out: Optional[Path] = typer.Option(None, "--json", help="write the numbers here"),
@@ -34,13 +36,15 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
     from kvtier.tools.bench_vllm import BenchSpec, run_bench
 
     spec = BenchSpec(sizes=tuple(int(s) for s in sizes.split(",")), repeats=repeats,
-                     chunk_tokens=chunk_tokens, dtype=dtype, inproc=not multiproc, pool=pool)
+                     chunk_tokens=chunk_tokens, dtype=dtype, inproc=not multiproc, pool=pool,
+                     load=load)
     console = Console(width=max(110, Console().width))
     with console.status("kvtier bench vllm") as status:
         doc = run_bench(spec, dir, progress=lambda msg: status.update(f"bench vllm: {msg}"))
     for stat in ("median", "min"):
         render(console, doc, stat, f"kvtier bench vllm: TTFT in ms ({stat} of {repeats}), "
-                                   f"tiny Llama {dtype}, chunk {chunk_tokens}, pool {pool}")
+                                   f"tiny Llama {dtype}, chunk {chunk_tokens}, pool {pool}, "
+                                   f"load {load}")
     for t in doc["targets"]:
         mark = "[green]ok[/]" if t["ok"] else "[red]MISSED[/]"
         console.print(f"  {t['size']:>6} tokens, {t['stat']:>6}: {t['what']}: {t['value']} "

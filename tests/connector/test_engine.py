@@ -114,8 +114,11 @@ def test_after_the_pool_is_wiped_hits_come_from_disk(engines, cluster):
     assert again.token_ids == out.token_ids
 
 
-def test_a_corrupt_block_on_disk_is_recomputed(engines, cluster):
-    prompt = random_prompt(3, LONG)
+@pytest.mark.parametrize("load", ["auto", "async"])
+def test_a_corrupt_block_on_disk_is_recomputed(engines, cluster, load):
+    """`auto` loads this lone request synchronously (vLLM recovers a running request);
+    `async` loads it before the request runs (vLLM recovers a waiting one)."""
+    prompt = random_prompt(3 if load == "auto" else 33, LONG)
     served(node(engines, cluster, "a"), prompt)
     keys = wait_persisted(cluster, prompt)
     cluster.restart_master()  # only the disk tiers hold it
@@ -124,7 +127,10 @@ def test_a_corrupt_block_on_disk_is_recomputed(engines, cluster):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40  # one flipped bit in the payload
     path.write_bytes(bytes(data))
-    e = node(engines, cluster, "e")
+    name = "e" if load == "auto" else f"e-{load}"  # "e": the default, shared with others
+    config = cluster.transfer_config(name)
+    config["kv_connector_extra_config"]["load"] = load
+    e = engines.get(name, config)
     out = served(e, prompt)
     assert out.token_ids == engines.baseline(prompt, TOKENS).token_ids
     # vLLM recomputed from the bad chunk on (and kvtier saved those chunks again)
@@ -132,7 +138,7 @@ def test_a_corrupt_block_on_disk_is_recomputed(engines, cluster):
     quarantined = [p for p in (cluster.shared / ".quarantine").rglob("*") if keys[bad] in p.name]
     assert quarantined, "the corrupt file was not quarantined"
     # the recomputed chunks were saved again: e's mover puts them back on the shared tier
-    wait_persisted(cluster, prompt, policy_node="e")
+    wait_persisted(cluster, prompt, policy_node=name)
     e.reset_prefix_cache()
     healed = served(e, prompt)
     assert healed.num_cached_tokens >= 0.9 * full_block_tokens(prompt)

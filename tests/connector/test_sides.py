@@ -54,7 +54,7 @@ def sides(tmp_path):
     vconf = SimpleNamespace(model_config=SimpleNamespace(model="/m"),
                             parallel_config=SimpleNamespace(tensor_parallel_size=1,
                                                             pipeline_parallel_size=1))
-    cfg = ConnectorConfig(policy, "unit", 1 << 20, 2)
+    cfg = ConnectorConfig(policy, "unit", 1 << 20, 2, "async")
     worker = WorkerSide(vconf, kvc, cfg)  # first, as vLLM builds them in one process
     sched = SchedulerSide(vconf, kvc, cfg)
     worker.register_kv_caches(caches)
@@ -300,3 +300,73 @@ def test_with_the_workers_elsewhere_lookups_and_turn_ends_reach_their_store(side
     assert len(chain) == chunks
     assert rec["blocks_per_tier"] == {"shared": chunks}  # the blocks its worker saved
     assert rec["turns"] == 1
+
+
+def load_now(s, req_id, tokens, ids):
+    """A lookup that `load: auto` answers with a synchronous load, scheduled in this step;
+    returns (tokens loaded, the step's metadata) once `start_load_kv` returned."""
+    r = request(req_id, tokens)
+    n, is_async = s.sched.get_num_new_matched_tokens(r, 0)
+    assert n > 0 and not is_async
+    s.sched.update_state_after_alloc(r, blocks(ids), n)
+    meta = step(s.sched, [(req_id, ids, n)], {req_id: len(tokens) - n})
+    assert [j.sync for j in meta.loads] == [True] and not meta.saves
+    s.worker.start_load_kv(meta)
+    return n, meta
+
+
+def test_with_nothing_else_running_auto_loads_before_the_steps_forward(sides):
+    sides.sched.load_mode = "auto"
+    tokens = random_prompt(9, 300)
+    src, dst = list(range(0, 10)), list(range(20, 30))
+    save_prompt(sides, "r1", tokens, src)
+    n, _ = load_now(sides, "r2", tokens + [5], dst)
+    assert n == 4 * CHUNK
+    # done when start_load_kv returns: the forward that follows reads these blocks
+    for a, b in zip(blocks_of(sides.caches, src[:8]), blocks_of(sides.caches, dst[:8])):
+        assert torch.equal(a, b)
+    assert sides.worker.get_finished(set()) == (None, None)  # its request is running already
+    assert sides.worker.get_block_ids_with_load_errors() == set()
+    assert sides.worker.get_stats().data["counters"]["load_chunks"] == 4
+
+
+def test_auto_loads_in_the_background_while_other_requests_run(sides):
+    sides.sched.load_mode = "auto"
+    tokens = random_prompt(10, 300)
+    save_prompt(sides, "r1", tokens, list(range(0, 10)))
+    busy = request("busy", random_prompt(11, 40))
+    sides.sched.get_num_new_matched_tokens(busy, 0)
+    sides.sched.update_state_after_alloc(busy, blocks([60, 61]), 0)
+    step(sides.sched, [("busy", [60, 61], 0)], {"busy": 40})  # now running
+    r = request("r2", tokens)
+    assert sides.sched.get_num_new_matched_tokens(r, 0) == (4 * CHUNK, True)
+    busy.num_computed_tokens = 40
+    sides.sched.request_finished(busy, [60, 61])
+    assert sides.sched.get_num_new_matched_tokens(r, 0) == (4 * CHUNK, False)
+
+
+def test_a_corrupt_chunk_in_a_synchronous_load_fails_its_blocks_in_the_same_step(sides):
+    sides.sched.load_mode = "sync"
+    tokens = random_prompt(12, 300)
+    save_prompt(sides, "r1", tokens, list(range(0, 10)))
+    keys = block_keys(sides.sched.ns, tokens, b"")
+    path = files_of(sides.root / "shared", [keys[1]])[0]
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 1
+    path.write_bytes(bytes(data))
+    dst = list(range(40, 50))
+    load_now(sides, "r2", tokens, dst)
+    assert sides.worker.get_finished(set()) == (None, None)
+    assert sides.worker.get_block_ids_with_load_errors() == set(dst[2:8])
+    for a, b in zip(blocks_of(sides.caches, [0, 1]), blocks_of(sides.caches, dst[:2])):
+        assert torch.equal(a, b)
+    # vLLM truncates the running request at the first bad block and recomputes the rest in
+    # the next step: what it recomputes is saved again
+    out = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["r2"], resumed_req_ids=set(),
+                                              new_block_ids=[None], num_computed_tokens=[CHUNK]),
+        num_scheduled_tokens={"r2": len(tokens) - CHUNK})
+    meta = sides.sched.build_connector_meta(out)
+    assert [(j.keys, j.block_ids) for j in meta.saves] == [
+        (keys[1:4], [dst[2:4], dst[4:6], dst[6:8]])]

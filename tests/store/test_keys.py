@@ -49,6 +49,17 @@ def test_chain_is_a_prefix_chain():
     assert len(chunk_hashes(toks[:47], 16)) == 2  # a partial tail has no key
 
 
+def test_a_chain_extended_later_equals_the_chain_computed_at_once():
+    ns = Namespace(model="m", chunk_tokens=16)
+    toks = list(range(500, 600))
+    full = block_keys(ns, toks, salt=b"s")
+    head = block_keys(ns, toks[:32], salt=b"s")
+    assert head + block_keys(ns, toks[32:], salt=b"s", after=head[-1]) == full
+    assert block_keys(ns, toks[32:], after=head[-1]) == full[2:]  # the salt is in the chain
+    with pytest.raises(ValueError, match="not a kvtier block key"):
+        block_keys(ns, toks, after="nope")
+
+
 @pytest.mark.parametrize("field,value", [("model", "other"), ("dtype", "float16"),
                                          ("layout", "NHD"), ("block_size", 32),
                                          ("chunk_tokens", 32), ("tp_rank", 1), ("tp_size", 4),
