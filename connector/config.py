@@ -8,11 +8,12 @@ Fields (all optional; unknown ones are errors):
 - `staging_buffer`: bytes of one staging buffer (default 64MiB; a batch of chunks moves
   through one buffer), `staging_buffers`: how many may be in flight for saves (default 4;
   more saves wait, they are never dropped).
-- `load`: how a hit is loaded. `async`: in the background while the engine runs other
-  requests; the request joins the next step once its load is done. `sync`: within the step
-  that schedules the request, before its forward (no step in between, but every request of
-  that step waits for the load). `auto` (default): `sync` when the engine runs no other
-  request (nothing to overlap with), else `async`.
+- `load`: when a hit is loaded. `async` (default): in the background while the engine runs
+  other requests; the request joins the next step once its load is done. `sync`: within
+  the step that schedules the request, before its forward (no step in between, but every
+  request of that step waits for the load). `auto`: `sync` when the engine runs no other
+  request, else `async`. Measured side by side, neither made a lone remote hit faster
+  (BENCHMARKS.md).
 
 Every mistake raises `ConfigError` with one line naming the field and the fix. Nothing is
 read from environment variables.
@@ -42,7 +43,7 @@ class _ExtraConfig(BaseModel):
     staging_buffer_bytes: Annotated[int, BeforeValidator(parse_size)] = Field(
         default=64 << 20, alias="staging_buffer", ge=1 << 20)
     staging_buffers: int = Field(default=4, ge=1, le=256)
-    load: Literal["auto", "async", "sync"] = "auto"
+    load: Literal["auto", "async", "sync"] = "async"
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class ConnectorConfig:
     node_id: str | None
     staging_buffer_bytes: int
     staging_buffers: int
-    load: str = "auto"
+    load: str = "async"
 
 
 def parse_extra_config(extra: Any) -> ConnectorConfig:

@@ -7,8 +7,7 @@
   chunk that starts inside the local hit is loaded without overwriting the local blocks. The
   load is asynchronous, or synchronous (done before the forward of the step that schedules
   the request) by the connector's `load` setting; `auto` loads synchronously when no other
-  request of the engine is running, since there is then nothing for the load to overlap
-  with and an asynchronous one only adds a step.
+  request of the engine is running (nothing for the load to overlap with).
 - `update_state_after_alloc`: turns the hit into a `LoadJob` over the allocated blocks.
 - `build_connector_meta`: tracks every scheduled request's block ids, and emits a `SaveJob`
   for each chunk whose KV is complete after this step and not known to be in kvtier

@@ -52,7 +52,7 @@ class BenchSpec:
     # "files": as embedded, segments lent from /dev/shm files the other engine reads
     # straight out of (`segment_dir`).
     pool: str = "service"
-    load: str = "auto"  # the connector's `load` setting (auto, async, sync)
+    load: str = "async"  # the connector's `load` setting (async, sync, auto)
 
 
 @dataclass

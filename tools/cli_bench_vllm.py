@@ -26,8 +26,8 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
                                   "segment, the other reads it over TCP; files: embedded, "
                                   "segments lent from /dev/shm files the other reads "
                                   "directly"),
-         load: str = typer.Option("auto", help="the connector's load setting: auto (sync "
-                                  "when the engine runs nothing else), async, sync"),
+         load: str = typer.Option("async", help="the connector's load setting: async, sync, "
+                                  "auto (sync when the engine runs nothing else)"),
          dir: Optional[Path] = typer.Option(None, "--dir", help="keep the model, tiers and "
                                             "logs here (default: a temp dir)"),
          json_out: Optional[Path] = typer.Option(None, "--json", help="write the numbers here"),

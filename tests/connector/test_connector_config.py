@@ -29,7 +29,7 @@ def test_inline_policy_and_defaults(tmp_path):
     cfg = parse_extra_config({"policy": policy_dict(tmp_path)})
     assert cfg.policy.chunk_tokens == 64
     assert cfg.staging_buffer_bytes == 64 << 20 and cfg.staging_buffers == 4
-    assert cfg.node_id is None
+    assert cfg.node_id is None and cfg.load == "async"
 
 
 def test_policy_file_and_sizes(tmp_path):
@@ -37,9 +37,10 @@ def test_policy_file_and_sizes(tmp_path):
     path = tmp_path / "policy.yaml"
     path.write_text(yaml.safe_dump(policy_dict(tmp_path)))
     cfg = parse_extra_config({"kvtier_config": str(path), "staging_buffer": "8MiB",
-                              "staging_buffers": 2, "node_id": "node-a"})
+                              "staging_buffers": 2, "node_id": "node-a", "load": "auto"})
     assert cfg.policy.source == str(path)
-    assert (cfg.staging_buffer_bytes, cfg.staging_buffers, cfg.node_id) == (8 << 20, 2, "node-a")
+    assert (cfg.staging_buffer_bytes, cfg.staging_buffers, cfg.node_id, cfg.load) == (
+        8 << 20, 2, "node-a", "auto")
 
 
 def test_no_config_uses_the_default_policy():
@@ -53,6 +54,7 @@ def test_no_config_uses_the_default_policy():
     ({"staging_buffer": "lots"}, r"^kv_connector_extra_config: staging_buffer: .*size"),
     ({"staging_buffers": 0}, r"^kv_connector_extra_config: staging_buffers: "),
     ({"node_id": "a b"}, r"^kv_connector_extra_config: node_id: "),
+    ({"load": "eager"}, r"^kv_connector_extra_config: load: .*'auto', 'async' or 'sync'"),
     ({"policy": [1, 2]}, r"^kv_connector_extra_config: policy: "),
     ({"kvtier_config": "/nonexistent/p.yaml"}, r"/nonexistent/p.yaml: no such policy file"),
     ("policy.yaml", r"^kv_connector_extra_config: expected a mapping, got str"),

@@ -114,11 +114,11 @@ def test_after_the_pool_is_wiped_hits_come_from_disk(engines, cluster):
     assert again.token_ids == out.token_ids
 
 
-@pytest.mark.parametrize("load", ["auto", "async"])
+@pytest.mark.parametrize("load", ["async", "sync"])
 def test_a_corrupt_block_on_disk_is_recomputed(engines, cluster, load):
-    """`auto` loads this lone request synchronously (vLLM recovers a running request);
-    `async` loads it before the request runs (vLLM recovers a waiting one)."""
-    prompt = random_prompt(3 if load == "auto" else 33, LONG)
+    """`async` loads before the request runs (vLLM recovers a waiting request); `sync` in
+    the step that runs it (vLLM recovers a running one)."""
+    prompt = random_prompt(3 if load == "async" else 33, LONG)
     served(node(engines, cluster, "a"), prompt)
     keys = wait_persisted(cluster, prompt)
     cluster.restart_master()  # only the disk tiers hold it
@@ -127,7 +127,7 @@ def test_a_corrupt_block_on_disk_is_recomputed(engines, cluster, load):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40  # one flipped bit in the payload
     path.write_bytes(bytes(data))
-    name = "e" if load == "auto" else f"e-{load}"  # "e": the default, shared with others
+    name = "e" if load == "async" else f"e-{load}"  # "e": the default, shared with others
     config = cluster.transfer_config(name)
     config["kv_connector_extra_config"]["load"] = load
     e = engines.get(name, config)
