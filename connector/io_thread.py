@@ -10,8 +10,9 @@ store. A failed save is only a future miss: it is counted and logged, never retr
 
 Thread safety: `submit_*` are called from the model-runner thread; results are taken with
 `take_results`. A synchronous load (`load_now`) runs in the model-runner thread itself,
-beside this one; the two share the load staging buffer, one at a time. On CUDA, loads run on a side stream that is synchronised before a request is
-reported, and a save waits for the event recorded after its device-to-host copy.
+beside this one; the two share the load staging buffer, one at a time. On CUDA, loads run
+on a side stream that is synchronised before a request is reported, and a save waits for
+the event recorded after its device-to-host copy.
 """
 
 from __future__ import annotations

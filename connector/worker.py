@@ -129,13 +129,13 @@ class WorkerSide:
         self._held.update(meta.hold)
         if meta.loads:
             self._require_registered()
-            for job in meta.loads:
-                if not job.sync:
-                    self.io.submit_load(self._load_batches(job))
-                    log.debug("kvtier: load %s queued: %d chunks", job.req_id, len(job.keys))
-            for job in meta.loads:
+            # the I/O thread starts on the asynchronous ones while the others run here
+            for job in sorted(meta.loads, key=lambda j: j.sync):
                 if job.sync:
                     self.io.load_now(self._load_batches(job))
+                else:
+                    self.io.submit_load(self._load_batches(job))
+                    log.debug("kvtier: load %s queued: %d chunks", job.req_id, len(job.keys))
 
     def _observe(self, events: list[StoreEvent]) -> None:
         """Replay the scheduler's lookups and turn ends into this process's store, before
