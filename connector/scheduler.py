@@ -82,6 +82,7 @@ class _Req:
     tier_tokens: dict[str, int] = field(default_factory=dict)
     looked_up: list[str] = field(default_factory=list)  # the keys of the last lookup
     saved_chunks: int = 0
+    loads: dict[str, int] = field(default_factory=lambda: {"async": 0, "sync": 0})
     scheduled: bool = False      # its blocks hold computed (or loaded) KV
     forwarded: tuple = ()        # (chunks, hits, held, when) of the last lookup forwarded
 
@@ -176,6 +177,7 @@ class SchedulerSide:
         skip = plan.num_computed // self.shape.block_size - plan.first * self.m
         self._loads.append(LoadJob(request.request_id, st.keys[plan.first:plan.first + n],
                                    rows, skip, list(plan.tiers[:n]), plan.sync))
+        st.loads["sync" if plan.sync else "async"] += 1
         st.loaded_upto = st.saved_upto = plan.first + n
         st.sources = self._account(st, plan, n, num_external)
 
@@ -281,7 +283,9 @@ class SchedulerSide:
         return True
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """(keep the blocks?, `{"kvtier": {"hit_tokens": {tier: n}, "saved_chunks": n}}`).
+        """(keep the blocks?, `{"kvtier": {"hit_tokens": {tier: n}, "saved_chunks": n,
+        "loads": {"async": n, "sync": n}}}`): `loads` counts the request's loads from kvtier
+        by how they ran (more than one after a preemption).
 
         Chunks saved in earlier steps were gathered in those steps, before the blocks could
         be freed (on CUDA: queued on the compute stream before any later write), so they need
@@ -309,7 +313,7 @@ class SchedulerSide:
                       request.request_id)
             self._hold.append(request.request_id)
         return hold, {"kvtier": {"hit_tokens": dict(st.tier_tokens),
-                                 "saved_chunks": st.saved_chunks}}
+                                 "saved_chunks": st.saved_chunks, "loads": dict(st.loads)}}
 
     def get_stats(self) -> KVTierStats | None:
         return self.stats.take()

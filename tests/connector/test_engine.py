@@ -200,6 +200,34 @@ def test_preempted_requests_resume_from_kvtier(engines, cluster):
     assert [o.token_ids for o in outs] == [o.token_ids for o in engines.baselines(prompts, 400)]
 
 
+def test_auto_loads_a_lone_request_in_its_step_and_others_beside_running_ones(engines,
+                                                                             cluster):
+    """`load: auto`: a hit with nothing else running loads in the step that runs it; hits
+    that arrive while another request decodes load in the background. Both are the engine's
+    own output."""
+    prompts = [random_prompt(40 + i, LONG) for i in range(3)]
+    a = node(engines, cluster, "a")
+    for p in prompts:
+        served(a, p)  # computed and saved by a
+    config = cluster.transfer_config("e-auto")
+    config["kv_connector_extra_config"]["load"] = "auto"
+    e = engines.get("e-auto", config)
+    lone = served(e, prompts[0])
+    running = threading.Event()
+    # decodes while the others arrive (submitted once it runs: a request that joins in the
+    # same step is looked up before that step schedules anything)
+    busy = e.submit(random_prompt(43, 200), 300, on_first=lambda _: running.set())
+    assert running.wait(120)
+    beside = [f.result(300) for f in [e.submit(p, TOKENS) for p in prompts[1:]]]
+    assert not busy.done(), "the long request ended before the others were looked up"
+    busy.result(300)
+    loads = [out.kv_transfer_params["kvtier"]["loads"] for out in [lone] + beside]
+    assert loads == [{"async": 0, "sync": 1}] + [{"async": 1, "sync": 0}] * 2
+    for out, p in zip([lone] + beside, prompts):
+        assert out.num_cached_tokens >= 0.9 * full_block_tokens(p)
+        assert out.token_ids == engines.baseline(p, TOKENS).token_ids
+
+
 def test_a_bad_connector_config_stops_the_engine_with_one_line(tiny_model, tmp_path):
     from kvtier.tools.vllm_engine import Engine, EngineError, kvtier_transfer_config
     bad = kvtier_transfer_config(None, kvtier_confg="policy.yaml")

@@ -224,7 +224,8 @@ def test_final_save_at_request_end_holds_the_blocks_until_gathered(sides):
     run_worker(sides.worker, meta)
     r.all_token_ids, r.num_tokens, r.num_computed_tokens = tokens[:131], 131, 130
     hold, params = sides.sched.request_finished(r, ids)
-    assert hold and params == {"kvtier": {"hit_tokens": {}, "saved_chunks": 2}}
+    assert hold and params == {"kvtier": {"hit_tokens": {}, "saved_chunks": 2,
+                                          "loads": {"async": 0, "sync": 0}}}
     meta = step(sides.sched)
     assert meta.hold == ["r1"] and [len(j.keys) for j in meta.saves] == [1]
     sending, _ = run_worker(sides.worker, meta, finished={"r1"})
@@ -240,7 +241,8 @@ def test_request_aborted_while_loading_saves_nothing_and_holds_nothing(sides):
     sides.sched.update_state_after_alloc(r, blocks(range(50, 60)), n)
     r.num_computed_tokens = n  # vLLM sets it at allocation, before the load lands
     assert sides.sched.request_finished(r, list(range(50, 60))) == \
-        (False, {"kvtier": {"hit_tokens": {"shared": n}, "saved_chunks": 0}})
+        (False, {"kvtier": {"hit_tokens": {"shared": n}, "saved_chunks": 0,
+                            "loads": {"async": 1, "sync": 0}}})
     meta = step(sides.sched)
     assert len(meta.loads) == 1 and not meta.saves and not meta.hold
     _, recving = run_worker(sides.worker, meta)
