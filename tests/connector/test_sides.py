@@ -125,6 +125,18 @@ def load_into(s, req_id, tokens, ids, local=0):
     return r, n
 
 
+def save_with_a_corrupt_chunk(s, tokens, bad: int) -> list[str]:
+    """Save `tokens` as request r1 (blocks 0-9), then flip one payload bit of chunk `bad`'s
+    file; returns the chunk keys."""
+    save_prompt(s, "r1", tokens, list(range(0, 10)))
+    keys = block_keys(s.sched.ns, tokens, b"")
+    path = files_of(s.root / "shared", [keys[bad]])[0]
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 1
+    path.write_bytes(bytes(data))
+    return keys
+
+
 def test_save_then_load_into_other_blocks(sides):
     tokens = random_prompt(1, 300)
     src, dst = list(range(0, 10)), list(range(20, 30))
@@ -200,12 +212,7 @@ def test_chunks_held_locally_are_not_looked_for(sides):
 
 def test_corrupt_chunk_fails_its_blocks_and_every_later_one(sides):
     tokens = random_prompt(3, 300)
-    save_prompt(sides, "r1", tokens, list(range(0, 10)))
-    keys = block_keys(sides.sched.ns, tokens, b"")
-    path = files_of(sides.root / "shared", [keys[2]])[0]
-    data = bytearray(path.read_bytes())
-    data[-7] ^= 1
-    path.write_bytes(bytes(data))
+    save_with_a_corrupt_chunk(sides, tokens, 2)
     dst = list(range(40, 50))
     load_into(sides, "r2", tokens, dst)
     assert sides.worker.get_block_ids_with_load_errors() == set(dst[4:8])
@@ -350,12 +357,7 @@ def test_auto_loads_in_the_background_while_other_requests_run(sides):
 def test_a_corrupt_chunk_in_a_synchronous_load_fails_its_blocks_in_the_same_step(sides):
     sides.sched.load_mode = "sync"
     tokens = random_prompt(12, 300)
-    save_prompt(sides, "r1", tokens, list(range(0, 10)))
-    keys = block_keys(sides.sched.ns, tokens, b"")
-    path = files_of(sides.root / "shared", [keys[1]])[0]
-    data = bytearray(path.read_bytes())
-    data[-7] ^= 1
-    path.write_bytes(bytes(data))
+    keys = save_with_a_corrupt_chunk(sides, tokens, 1)
     dst = list(range(40, 50))
     load_now(sides, "r2", tokens, dst)
     assert sides.worker.get_finished(set()) == (None, None)
