@@ -6,6 +6,9 @@ Primitives (batched; a miss is a value):
   LMDB read transaction, one stat batch).
 - `load(keys, outs) -> list[int]`: each block from the fastest tier that holds it, verified;
   payload length or `MISS`. A hit below the first tier may schedule a promotion.
+- `locate(keys, where)` then `confirm(keys, runs)`: blocks of the first tier the caller may
+  read where they lie (another process's pool segment mapped from its file), then check
+  there; only what `confirm` returns may be used (the rest goes through `load`).
 - `save(keys, frames, hint) -> list[bool]`: write-through to the first tier that answers,
   deduplicated by key; the mover then persists admitted blocks to the capacity tiers in the
   background (from copies of the frames when that tier may drop them first, see
@@ -26,7 +29,7 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from kvtier.store.config import Policy
@@ -156,6 +159,39 @@ class TieredStore:
                     and (where is None or where[i] != tier.name)]
             self._load_from(tier, keys, outs, result, todo)
         return result
+
+    def locate(self, keys: Sequence[str], where: Sequence[str | None] | None = None) -> list:
+        """Runs of blocks the first tier lets the caller read where they lie, without a copy
+        (`Tier.locate`; block indices refer to `keys`). Only blocks the lookup found there
+        (`where`) are asked about. Unverified: read them, then `confirm` before use."""
+        first = self.tiers[0]
+        idx = [i for i in range(len(keys)) if where is None or where[i] == first.name]
+        if not idx:
+            return []
+        try:
+            runs = first.locate([keys[i] for i in idx])
+        except TierError as e:
+            log.warning("in-place read skips tier %s: %s", first.name, e)
+            return []
+        out = []
+        for run in runs:  # a run of `idx` positions is a run of `keys` where idx is consecutive
+            start = run.first
+            for j in range(run.first + 1, run.first + run.count + 1):
+                if j == run.first + run.count or idx[j] != idx[j - 1] + 1:
+                    out.append(replace(
+                        run, first=idx[start], count=j - start,
+                        offset=run.offset + (start - run.first) * run.stride))
+                    start = j
+        return out
+
+    def confirm(self, keys: Sequence[str], runs: Sequence) -> list[int]:
+        """After reading `runs` (from `locate`): payload length per key of what was read
+        intact, else `MISS` (load those the usual way)."""
+        got = self.tiers[0].verify_in_place(keys, runs)
+        hits = [k for k, n in zip(keys, got) if n != MISS]
+        if hits:
+            self.placement.on_hit(self.tiers[0], hits)
+        return got
 
     def _load_from(self, tier: Tier, keys: Sequence[str], outs: Sequence[memoryview],
                    result: list[int], todo: list[int]) -> None:

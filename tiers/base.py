@@ -10,6 +10,9 @@ Primitives (batched only; a miss is a value, never an exception):
   `outs[i][0:HEADER_SIZE + n]`), or `MISS`.
 - `delete(keys) -> int`: how many were removed.
 - `capacity_bytes`, `used_bytes()`, `counters()`, `close()`.
+- optional: `locate(keys)` and `verify_in_place(keys, runs)`, reads without a copy where a
+  tier can offer them (the pool's segment files); a caller uses only what the second
+  confirms, after it has read the bytes.
 
 Callers guarantee:
 - keys are well-formed block keys (`keys.check_key`); `frames[i]` is sealed for `keys[i]`;
@@ -55,6 +58,7 @@ class TierCounters:
     deletes: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    in_place: int = 0  # of `hits`, those read where they lie (`locate`), without a copy
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:
@@ -121,6 +125,16 @@ class Tier(ABC):
 
     def counters(self) -> dict[str, int]:
         return self.stats.snapshot()
+
+    def locate(self, keys: Sequence[str]) -> list:
+        """Runs of `keys` the caller may read where they lie, without a copy (see
+        `MooncakeTier.locate`); none by default. Bytes read so are unverified: the caller
+        must call `verify_in_place` after reading and use only what it confirms."""
+        return []
+
+    def verify_in_place(self, keys: Sequence[str], runs: Sequence) -> list[int]:
+        """Payload length per key of what `runs` hold, checked where it lies, or `MISS`."""
+        return [MISS] * len(keys)
 
     def check(self, progress=None) -> list[Problem]:
         """Compare the index with the tier's bytes and checksums; change nothing.

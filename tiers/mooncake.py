@@ -14,6 +14,9 @@ Data path (batched Mooncake calls only):
 - `get`: `batch_get_into`, straight into registered out buffers, else into staging and one
   copy. Every frame is verified (`block.verify`); one that fails is counted in `corrupt`,
   removed from the pool and from the index, and reported as MISS.
+- `locate` / `verify_in_place` (with `segment_dir`): runs of frames lying at one stride in
+  another process's segment file, handed out to be read where they lie, then checked there
+  (`tiers.mooncake_files`); the connector scatters them straight into the paged cache.
 - Large batches run as a two-stage pipeline: the transfer of one chunk (in a worker thread;
   Mooncake releases the GIL) overlaps the checksum and copies of the chunk before it.
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Sequence
 
 from kvtier.store.block import HEADER_SIZE, parse_header, verified_len, verify
@@ -51,6 +55,20 @@ from kvtier.tiers.mooncake_usage import PoolUsage
 
 FULL_RETRIES = 4            # back-off steps on -200 before TierFullError
 ALREADY_EXISTS = -705
+MIN_RUN = 8                 # fewer frames at one stride are copied, not read in place
+
+
+@dataclass(frozen=True)
+class InPlaceRun:
+    """Blocks `first .. first + count - 1` of a read, lying in one segment mapping at one
+    stride: the frame of block `first + j` is `mem[offset + j * stride:][:size]`."""
+
+    first: int
+    count: int
+    mem: memoryview
+    offset: int
+    stride: int
+    size: int
 
 
 class MooncakeTier(Tier):
@@ -197,35 +215,15 @@ class MooncakeTier(Tier):
         (`tiers.mooncake_files`); returns the indices left for the transfer. A block not
         found, in another node's segment, or whose frame fails its check goes the usual
         way (which tells a miss, an error and a corrupt block apart)."""
-        try:
-            with self.client.session() as store:
-                descs = store.batch_get_replica_desc([keys[i] for i in todo])
-        except Exception:  # noqa: BLE001 - the transfer path reports what is wrong
+        places = self._places([keys[i] for i in todo])
+        if places is None:
             return todo
-        # Every attribute of a descriptor is a pybind call, and 511 keys are a 16K-token
-        # hit: ints instead of the status enum's ==, one segment lookup per endpoint.
-        complete = int(self.client.mc.ReplicaStatus.COMPLETE)
-        segs: dict[str, tuple[memoryview, int] | None] = {}
         left = []
-        for i in todo:
-            where = None
-            for d in descs.get(keys[i], ()):
-                if d.is_memory_replica() and int(d.status) == complete:
-                    bd = d.get_memory_descriptor().buffer_descriptor
-                    endpoint = bd.transport_endpoint
-                    if endpoint not in segs:
-                        segs[endpoint] = self.segments.view(endpoint)
-                    if segs[endpoint] is not None:
-                        where = (segs[endpoint], bd.buffer_address, bd.size, endpoint)
-                        break
-            if where is None:
+        for i, place in zip(todo, places):
+            if place is None or place[2] > len(views[i]):
                 left.append(i)
                 continue
-            (mem, base), addr, n, endpoint = where
-            off = addr - base
-            if not (0 <= off and off + n <= len(mem) and n <= len(views[i])):
-                left.append(i)
-                continue
+            mem, off, n = place
             views[i][:n] = mem[off:off + n]
             try:
                 result[i] = verified_len(views[i][:n], keys[i], n)
@@ -235,6 +233,69 @@ class MooncakeTier(Tier):
                 self.segments.recheck()
                 left.append(i)
         return left
+
+    def _places(self, keys: Sequence[str]) -> list[tuple[memoryview, int, int] | None] | None:
+        """Where each block lies in a segment file of this node: (the mapped segment, the
+        frame's offset in it, its length), or None; None for all when the master cannot
+        say. The query leases the blocks: the master neither evicts nor moves them for a
+        few seconds (a forced `delete` still can; readers verify what they read)."""
+        try:
+            with self.client.session() as store:
+                descs = store.batch_get_replica_desc(list(keys))
+        except Exception:  # noqa: BLE001 - the transfer path reports what is wrong
+            return None
+        # Every attribute of a descriptor is a pybind call, and 511 keys are a 16K-token
+        # hit: one segment lookup per endpoint, and no look at the replica's status (a
+        # replica still being written fails the reader's check like any torn frame).
+        segs: dict[str, tuple[memoryview, int] | None] = {}
+        out: list[tuple[memoryview, int, int] | None] = []
+        for key in keys:
+            place = None
+            for d in descs.get(key, ()):
+                if d.is_memory_replica():
+                    bd = d.get_memory_descriptor().buffer_descriptor
+                    endpoint = bd.transport_endpoint
+                    if endpoint not in segs:
+                        segs[endpoint] = self.segments.view(endpoint)
+                    if segs[endpoint] is not None:
+                        mem, base = segs[endpoint]
+                        off, n = bd.buffer_address - base, bd.size
+                        if 0 <= off and off + n <= len(mem):
+                            place = (mem, off, n)
+                        break
+            out.append(place)
+        return out
+
+    def locate(self, keys: Sequence[str]) -> list[InPlaceRun]:
+        """Runs of consecutive `keys` whose frames lie at one stride in a segment file of
+        this node, to be read where they lie (no copy); blocks outside every run are left to
+        `get`. Only runs of `MIN_RUN` blocks or more are worth it (each is one batched op
+        for the caller). What a run holds is unverified until `verify_in_place` says so.
+        """
+        if self.segments is None or len(keys) < MIN_RUN or len(set(keys)) != len(keys):
+            return []
+        places = self._places(keys)
+        return [] if places is None else _runs(places)
+
+    def verify_in_place(self, keys: Sequence[str], runs: Sequence[InPlaceRun]) -> list[int]:
+        """Check the frames of `runs` where they lie, after the caller read them; payload
+        length per key, `MISS` for a key outside the runs or whose frame failed (overwritten
+        since, or bad: `get` reads it again the usual way, which quarantines a bad one)."""
+        result = [MISS] * len(keys)
+        failed = 0
+        for run in runs:
+            for j in range(run.count):
+                i, off = run.first + j, run.offset + j * run.stride
+                try:
+                    result[i] = verified_len(run.mem[off:off + run.size], keys[i], run.size)
+                except CorruptBlockError:
+                    failed += 1
+        if failed:
+            self.segments.recheck()
+        hits = [n for n in result if n != MISS]
+        self.stats.add(hits=len(hits), in_place=len(hits),
+                       bytes_out=sum(hits) + HEADER_SIZE * len(hits))
+        return result
 
     def delete(self, keys: Sequence[str]) -> int:
         if not keys:
@@ -392,3 +453,24 @@ def _byte_view(buf) -> memoryview:
 def _check_lengths(keys: Sequence[str], bufs: Sequence) -> None:
     if len(keys) != len(bufs):
         raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers; pass one buffer per key")
+
+
+def _runs(places: Sequence[tuple[memoryview, int, int] | None]) -> list[InPlaceRun]:
+    """Maximal runs of consecutive places in one mapping at one stride, `MIN_RUN` or longer."""
+    runs: list[InPlaceRun] = []
+    i = 0
+    while i < len(places):
+        if places[i] is None:
+            i += 1
+            continue
+        mem, off, size = places[i]
+        j = i + 1
+        stride = places[j][1] - off if j < len(places) and places[j] is not None else 0
+        while (j < len(places) and places[j] is not None and places[j][0] is mem
+               and places[j][2] == size and places[j][1] == off + (j - i) * stride
+               and stride >= size):
+            j += 1
+        if j - i >= MIN_RUN:
+            runs.append(InPlaceRun(i, j - i, mem, off, stride, size))
+        i = j
+    return runs

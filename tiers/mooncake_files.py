@@ -6,7 +6,9 @@ private memory. Mooncake maps the file shared, so the bytes of every object put 
 segment are in the file. Another kvtier process of the node asks the master where a block
 lies (`batch_get_replica_desc`: the lending client's transport endpoint and the address in
 its mapping, under a lease, so the master neither evicts nor moves it meanwhile), maps the
-same file read-only and copies the frame out: no transfer engine, no CPU of the lender.
+same file read-only and copies the frame out: no transfer engine, no CPU of the lender. A
+caller that can read frames where they lie (the connector's CPU scatter) takes runs of them
+from `MooncakeTier.locate` instead, and has them checked there after its read.
 
 Names: `kvtier-seg-<host>_<port>-<base hex>-<pid>.mem`, where `<host>:<port>` is the lender's
 transport endpoint (what replica descriptors name) and `<base>` the address of its mapping

@@ -416,6 +416,67 @@ def test_blocks_in_a_segment_file_are_read_straight_from_it(tmp_path, monkeypatc
     assert not list(files.glob("kvtier-seg-*"))  # the lender took its file along
 
 
+def test_blocks_in_a_segment_file_are_located_in_runs_and_checked_where_they_lie(tmp_path):
+    """`locate` hands out runs of frames at one stride in a lender's file (what a batch put
+    leaves in a fresh segment); `verify_in_place` checks them there, after the read, and a
+    frame that fails is a MISS left to `get`, which quarantines it."""
+    from kvtier.tiers.mooncake import MIN_RUN
+    master = start_master(tmp_path)
+    files = tmp_path / "shm"
+    lender = open_pool(tmp_path / "a", master.address, capacity="16MiB", staging="8MiB",
+                       segment_dir=str(files))
+    reader = open_pool(tmp_path / "b", master.address, lend=False, capacity="16MiB",
+                       staging="8MiB", segment_dir=str(files))
+    try:
+        keys, frames = frames_for(3 * MIN_RUN, 4096)
+        assert lender.put(keys, frames) == [True] * len(keys)
+        assert reader.locate(keys[:MIN_RUN - 1]) == []  # too few to be worth a batched op
+        runs = reader.locate(keys)
+        assert sorted(i for r in runs for i in range(r.first, r.first + r.count)) == \
+            list(range(len(keys)))
+        for run in runs:
+            assert run.stride >= run.size == HEADER_SIZE + 4096
+            for j in range(run.count):
+                at = run.offset + j * run.stride
+                assert bytes(run.mem[at:at + run.size]) == bytes(frames[run.first + j])
+        assert reader.verify_in_place(keys, runs) == [4096] * len(keys)
+        assert reader.counters()["in_place"] == len(keys)
+
+        [seg] = files.glob("kvtier-seg-*")
+        mem = seg.read_bytes()
+        at = mem.find(bytes(frames[5][HEADER_SIZE:HEADER_SIZE + 64]))
+        with open(seg, "r+b") as f:
+            f.seek(at + 100)
+            f.write(bytes([mem[at + 100] ^ 1]))
+        got = reader.verify_in_place(keys, reader.locate(keys))
+        assert got[5] == MISS and got[:5] + got[6:] == [4096] * (len(keys) - 1)
+        assert reader.counters()["corrupt"] == 0  # not quarantined from here: `get` does it
+        assert reader.get(keys[5:6], [bytearray(HEADER_SIZE + 4096)]) == [MISS]
+        assert reader.counters()["corrupt"] == 1 and lender.contains(keys[5:6]) == [False]
+    finally:
+        reader.close()
+        lender.close()
+        master.stop()
+
+
+def test_in_place_runs_are_one_mapping_one_stride_one_size():
+    from kvtier.tiers.mooncake import MIN_RUN, _runs
+    a, b = memoryview(bytearray(1 << 20)), memoryview(bytearray(1 << 20))
+    n = MIN_RUN
+
+    def span(mem, start, count, stride=100, size=90):
+        return [(mem, start + j * stride, size) for j in range(count)]
+    runs = _runs(span(a, 0, n) + [None] + span(a, 5000, n + 1) + span(b, 0, n)
+                 + span(a, 20000, n - 1))
+    assert [(r.first, r.count, r.mem is a, r.offset) for r in runs] == \
+        [(0, n, True, 0), (n + 1, n + 1, True, 5000), (2 * n + 2, n, False, 0)]
+    # a change of stride or size ends a run; overlapping frames never make one
+    assert [(r.first, r.count) for r in _runs(span(a, 0, n) + span(a, 810, n, stride=120))] \
+        == [(0, n), (n, n)]
+    assert _runs(span(a, 0, 2 * n, stride=50)) == []
+    assert [r.count for r in _runs(span(a, 0, n) + span(a, 810, n, size=80))] == [n, n]
+
+
 def test_segment_files_of_dead_lenders_are_swept_and_a_full_dir_is_a_clear_error(
         tmp_path, monkeypatch):
     from kvtier.tiers import mooncake_files
