@@ -4,9 +4,12 @@ Loads go first (a request waits on them); saves after. A load batch reads up to 
 buffer of chunks from the store (verified there: a corrupt or missing chunk is a MISS),
 scatters the chunks before the first miss into the paged cache, and reports the blocks of
 the missed chunk and of every later chunk of the request as failed, so vLLM recomputes from
-the first of them. A save batch arrives already gathered into a staging buffer (by the main
-thread, in `wait_for_save`); here it is sealed (header + checksum) and written through the
-store. A failed save is only a future miss: it is counted and logged, never retried inline.
+the first of them. On a CPU cache, chunks the store can hand out where they lie (runs in
+another engine's pool segment file, `TieredStore.locate`) are scattered from there and
+checked there instead, without the copy into staging. A save batch arrives already
+gathered into a staging buffer (by the main thread, in `wait_for_save`); here it is sealed
+(header + checksum) and written through the store. A failed save is only a future miss: it
+is counted and logged, never retried inline.
 
 Thread safety: `submit_*` are called from the model-runner thread; results are taken with
 `take_results`. A synchronous load (`load_now`) runs in the model-runner thread itself,
@@ -21,6 +24,7 @@ import collections
 import logging
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -199,35 +203,83 @@ class IOThread:
             self._finish_load(job, ok_rows=0)
             return
         t0 = time.perf_counter()
-        buf = self.load_pool.acquire()
-        try:
-            n = len(job.keys)
-            got = self.store.load(job.keys, [buf.frame(i) for i in range(n)], job.tiers)
-            t1 = time.perf_counter()
-            ok = next((i for i, g in enumerate(got) if g != self.payload_len), n)
-            if ok:
-                self._scatter(buf, job, ok)
-        finally:
-            self.load_pool.release(buf)
-        log.debug("kvtier: load %s: %d/%d chunks, store %.1f ms, scatter %.1f ms", job.req_id,
-                  ok, n, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+        n = len(job.keys)
+        got: list[int | None] = [None] * n
+        in_place = 0
+        for i, g in enumerate(self._load_in_place(job)):
+            if g == self.payload_len:
+                got[i], in_place = g, in_place + 1
+        t1 = time.perf_counter()
+        rest = [i for i in range(n) if got[i] is None]
+        ok = n
+        if rest:
+            buf = self.load_pool.acquire()
+            try:
+                part = self.store.load([job.keys[i] for i in rest],
+                                       [buf.frame(j) for j in range(len(rest))],
+                                       None if job.tiers is None else
+                                       [job.tiers[i] for i in rest])
+                for i, g in zip(rest, part):
+                    got[i] = g
+                ok = next((i for i, g in enumerate(got) if g != self.payload_len), n)
+                rows = [i for i in rest if i < ok]  # a prefix of `rest`, all read
+                if rows:
+                    self._scatter(buf, job, rows)
+            finally:
+                self.load_pool.release(buf)
+        log.debug("kvtier: load %s: %d/%d chunks (%d in place, %.1f ms), the rest %.1f ms",
+                  job.req_id, ok, n, in_place, (t1 - t0) * 1e3,
+                  (time.perf_counter() - t1) * 1e3)
         with self.stats_lock:
             self.stats.add("load_chunks", ok)
             self.stats.add("load_bytes", ok * self.payload_len)
             self.stats.observe_ms("load", (time.perf_counter() - t0) * 1e3)
         self._finish_load(job, ok_rows=ok)
 
-    def _scatter(self, buf: FrameBuffer, job: LoadBatch, rows: int) -> None:
-        view = self.paged.payload_view(buf.device_view, rows, buf.stride, block.HEADER_SIZE,
-                                       self.m)
+    def _load_in_place(self, job: LoadBatch) -> list[int]:
+        """Scatter the chunks the store lets us read where they lie (another engine's pool
+        segment, mapped from its file) straight into the paged cache, then have the store
+        check them there; payload length per chunk, `MISS` for those left to `store.load`.
+
+        Reading before checking is safe: a chunk that fails the check is loaded again, and
+        no block is reported before its chunk passed. What a check after the read cannot
+        see is a frame that changed and changed back meanwhile: the pool leases what it
+        located, so only a forced removal, then a new put of the same key at the same
+        place, could do that, and that frame holds the same block. CPU caches only: a GPU
+        reads through pinned staging."""
+        if self.stream is not None:
+            return []
+        elem = self.paged.views[0].element_size()
+        frame_len = block.HEADER_SIZE + self.payload_len
+        runs = [r for r in self.store.locate(job.keys, job.tiers)
+                if r.offset % elem == 0 and r.stride % elem == 0 and r.size == frame_len]
+        if not runs:
+            return []
+        for run in runs:
+            with warnings.catch_warnings():  # the mapping is read-only; we only read it
+                warnings.simplefilter("ignore", UserWarning)
+                mem = torch.frombuffer(run.mem, dtype=torch.uint8)
+            view = self.paged.payload_view(mem[run.offset:], run.count, run.stride,
+                                           block.HEADER_SIZE, self.m)
+            ids = torch.tensor(job.block_ids[run.first:run.first + run.count],
+                               dtype=torch.int64)
+            self.paged.scatter(ids, view, job.skip_first if run.first == 0 else 0)
+        return self.store.confirm(job.keys, runs)
+
+    def _scatter(self, buf: FrameBuffer, job: LoadBatch, rows: list[int]) -> None:
+        """Scatter staging frames 0.. into the blocks of the job's chunks `rows`."""
+        view = self.paged.payload_view(buf.device_view, len(rows), buf.stride,
+                                       block.HEADER_SIZE, self.m)
+        skip = job.skip_first if rows[0] == 0 else 0
+        block_ids = [job.block_ids[i] for i in rows]
         if self.stream is None:
-            ids = torch.tensor(job.block_ids[:rows], dtype=torch.int64)
-            self.paged.scatter(ids, view, job.skip_first)
+            ids = torch.tensor(block_ids, dtype=torch.int64)
+            self.paged.scatter(ids, view, skip)
             return
         with torch.cuda.stream(self.stream):  # everything below is ordered on the side stream
-            ids = torch.tensor(job.block_ids[:rows], dtype=torch.int64, device=self.paged.device)
-            buf.to_device(rows)
-            self.paged.scatter(ids, view, job.skip_first)
+            ids = torch.tensor(block_ids, dtype=torch.int64, device=self.paged.device)
+            buf.to_device(len(rows))
+            self.paged.scatter(ids, view, skip)
         self.stream.synchronize()
 
     def _finish_load(self, job: LoadBatch, ok_rows: int) -> None:

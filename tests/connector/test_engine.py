@@ -246,3 +246,26 @@ def test_multiprocess_engine_loads_a_16k_prompt(engines, cluster):
     assert set(tier_hits(out)) <= {"dram", "nvme", "shared"} and tier_hits(out)
     assert out.num_cached_tokens >= 0.9 * full_block_tokens(prompt)
     assert out.token_ids == engines.baseline(prompt, TOKENS).token_ids
+
+
+def test_a_remote_hit_read_from_the_lenders_segment_file_is_token_identical(engines, cluster,
+                                                                             tmp_path):
+    """Both engines lend their pool segments from files (`segment_dir`): b scatters a's
+    chunks straight out of a's file into its paged cache, and answers as if it computed."""
+    from kvtier.tools.vllm_engine import kvtier_transfer_config
+
+    def files_node(name: str):
+        policy = cluster.policy(name)
+        policy["tiers"][0]["segment_dir"] = str(tmp_path / "shm")
+        return engines.get(name, kvtier_transfer_config(policy, node_id=name))
+    prompt = random_prompt(9, LONG)
+    try:
+        cold = served(files_node("fa"), prompt)
+        assert cold.num_cached_tokens == 0
+        hit = served(files_node("fb"), prompt)
+        assert tier_hits(hit) == {"dram": hit.num_cached_tokens}
+        assert hit.num_cached_tokens >= 0.9 * full_block_tokens(prompt)
+        assert hit.token_ids == cold.token_ids == engines.baseline(prompt, TOKENS).token_ids
+    finally:
+        engines.stop("fb")
+        engines.stop("fa")

@@ -25,19 +25,19 @@ from kvtier.store.config import policy_from_dict  # noqa: E402
 from kvtier.store.keys import block_keys  # noqa: E402
 from kvtier.tools.vllm_engine import random_prompt  # noqa: E402
 
+from conftest import wait_until  # noqa: E402
 from engine_util import files_of  # noqa: E402
 
 BS, CHUNK, NB, L, H, D = 32, 64, 128, 2, 2, 64
 M = CHUNK // BS
 
 
-@pytest.fixture
-def sides(tmp_path):
+def make_sides(root, tiers: list[dict], staging: int = 1 << 20, master: str | None = None):
+    """Both sides over one store of `tiers` and a paged cache in vLLM's CPU layout."""
     policy = policy_from_dict({
         "namespace": {"model": "unit"}, "chunk_tokens": CHUNK,
-        "index": {"path": str(tmp_path / "index"), "map_size": "32MiB"},
-        "tiers": [{"name": "shared", "kind": "sharedfs", "path": str(tmp_path / "shared"),
-                   "capacity": "64MiB"}]})
+        "index": {"path": str(root / "index"), "map_size": "32MiB"}, "tiers": tiers,
+        **({"master": {"address": master, "embedded": False}} if master else {})})
     spec = vllm_kv.FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D,
                                      dtype=torch.bfloat16)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
@@ -54,13 +54,24 @@ def sides(tmp_path):
     vconf = SimpleNamespace(model_config=SimpleNamespace(model="/m"),
                             parallel_config=SimpleNamespace(tensor_parallel_size=1,
                                                             pipeline_parallel_size=1))
-    cfg = ConnectorConfig(policy, "unit", 1 << 20, 2, "async")
+    cfg = ConnectorConfig(policy, "unit", staging, 2, "async")
     worker = WorkerSide(vconf, kvc, cfg)  # first, as vLLM builds them in one process
     sched = SchedulerSide(vconf, kvc, cfg)
     worker.register_kv_caches(caches)
-    yield SimpleNamespace(sched=sched, worker=worker, caches=caches, root=tmp_path)
-    worker.shutdown()
-    sched.shutdown()
+    return SimpleNamespace(sched=sched, worker=worker, caches=caches, root=root)
+
+
+def close_sides(s) -> None:
+    s.worker.shutdown()
+    s.sched.shutdown()
+
+
+@pytest.fixture
+def sides(tmp_path):
+    s = make_sides(tmp_path, [{"name": "shared", "kind": "sharedfs",
+                               "path": str(tmp_path / "shared"), "capacity": "64MiB"}])
+    yield s
+    close_sides(s)
 
 
 def request(req_id: str, tokens: list[int], computed: int = 0, **kw):
@@ -110,14 +121,15 @@ def save_prompt(s, req_id, tokens, ids):
     return r
 
 
-def load_into(s, req_id, tokens, ids, local=0):
+def load_into(s, req_id, tokens, ids, local=0, tiers=None):
     r = request(req_id, tokens)
     n, is_async = s.sched.get_num_new_matched_tokens(r, local)
     assert is_async and n > 0
     s.sched.update_state_after_alloc(r, blocks(ids), n)
     meta = step(s.sched)
     # where the lookup found each chunk rides along, so the load asks that tier first
-    assert all(job.tiers == ["shared"] * len(job.keys) for job in meta.loads)
+    assert [t for job in meta.loads for t in job.tiers] == (
+        tiers or ["shared"] * sum(len(job.keys) for job in meta.loads))
     sending, recving = run_worker(s.worker, meta)
     while not recving:
         sending, recving = s.worker.get_finished(set())
@@ -374,3 +386,80 @@ def test_a_corrupt_chunk_in_a_synchronous_load_fails_its_blocks_in_the_same_step
     meta = sides.sched.build_connector_meta(out)
     assert [(j.keys, j.block_ids) for j in meta.saves] == [
         (keys[1:4], [dst[2:4], dst[4:6], dst[6:8]])]
+
+
+# ---- reads in place from a pool segment lent from a file ---------------------------------
+
+@pytest.fixture
+def pool_sides(tmp_path, mooncake_master):
+    """A pool tier lent from a segment file (`segment_dir`) over sharedfs: loads read the
+    pool's chunks where they lie in the file and scatter them from there."""
+    s = make_sides(tmp_path, [
+        {"name": "dram", "kind": "mooncake", "capacity": "64MiB", "buffer": "8MiB",
+         "staging": "8MiB", "segment_dir": str(tmp_path / "shm")},
+        {"name": "shared", "kind": "sharedfs", "path": str(tmp_path / "shared"),
+         "capacity": "64MiB"}], staging=4 << 20, master=mooncake_master.address)
+    yield s
+    close_sides(s)
+
+
+def in_place(s) -> int:
+    return s.worker.store.by_name["dram"].counters()["in_place"]
+
+
+def test_pool_chunks_are_scattered_from_the_segment_file_without_a_copy(pool_sides):
+    s = pool_sides
+    tokens = random_prompt(11, 1300)  # 20 chunks
+    src, dst = list(range(0, 41)), list(range(60, 101))
+    save_prompt(s, "r1", tokens, src)
+    _, n = load_into(s, "r2", tokens, dst, local=3 * BS, tiers=["dram"] * 19)
+    assert n == 20 * CHUNK - 3 * BS and s.worker.get_block_ids_with_load_errors() == set()
+    assert in_place(s) == 19  # the chunk starting inside the local hit too
+    for a, b in zip(blocks_of(s.caches, range(3, 40)), blocks_of(s.caches, dst[3:40])):
+        assert torch.equal(a, b)
+    assert not any(torch.equal(a, b) for a, b in zip(blocks_of(s.caches, src[2:3]),
+                                                      blocks_of(s.caches, dst[2:3])))
+
+
+def test_a_chunk_found_below_the_pool_splits_the_in_place_runs(pool_sides):
+    s = pool_sides
+    tokens = random_prompt(12, 1300)
+    save_prompt(s, "r1", tokens, list(range(0, 41)))
+    keys = block_keys(s.sched.ns, tokens, b"")
+    store = s.worker.store
+    wait_until(lambda: all(store.by_name["shared"].contains(keys)), 10, "persisted")
+    assert store.by_name["dram"].delete([keys[10]]) == 1
+    dst = list(range(60, 101))
+    load_into(s, "r2", tokens, dst, tiers=["dram"] * 10 + ["shared"] + ["dram"] * 9)
+    assert s.worker.get_block_ids_with_load_errors() == set()
+    assert in_place(s) == 19
+    for a, b in zip(blocks_of(s.caches, range(0, 40)), blocks_of(s.caches, dst[:40])):
+        assert torch.equal(a, b)
+
+
+def test_a_chunk_corrupt_in_the_segment_file_fails_its_blocks_and_every_later_one(pool_sides):
+    s = pool_sides
+    tokens = random_prompt(13, 1300)
+    src = list(range(0, 41))
+    save_prompt(s, "r1", tokens, src)
+    keys = block_keys(s.sched.ns, tokens, b"")
+    shared = s.worker.store.by_name["shared"]
+    wait_until(lambda: all(shared.contains(keys)), 10, "persisted")
+    assert shared.delete(keys[2:3]) == 1  # the pool's copy is the only one left
+    [seg] = (s.root / "shm").glob("kvtier-seg-*")
+    page = s.caches["model.layers.0.self_attn.attn"][src[2 * M]]  # chunk 2's first block
+    raw = page.contiguous().view(torch.uint8).numpy().tobytes()[:64]
+    mem = bytearray(seg.read_bytes())
+    at = mem.find(raw)
+    assert at > 0
+    with open(seg, "r+b") as f:  # under Mooncake's shared mapping of the same file
+        f.seek(at + 10)
+        f.write(bytes([mem[at + 10] ^ 1]))
+    dst = list(range(60, 101))
+    load_into(s, "r2", tokens, dst, tiers=["dram"] * 20)
+    assert s.worker.get_block_ids_with_load_errors() == set(dst[4:40])
+    assert in_place(s) == 19  # read in place and checked there; chunk 2 read again, bad
+    dram = s.worker.store.by_name["dram"]
+    assert dram.counters()["corrupt"] == 1 and dram.contains(keys[2:3]) == [False]
+    for a, b in zip(blocks_of(s.caches, src[:4]), blocks_of(s.caches, dst[:4])):
+        assert torch.equal(a, b)
