@@ -243,8 +243,8 @@ class IOThread:
 
         Reading before checking is safe: a chunk that fails the check is loaded again, and
         no block is reported before its chunk passed. What a check after the read cannot
-        see is a frame that changed and changed back meanwhile: the pool leases what it
-        located, so only a forced removal, then a new put of the same key at the same
+        see is a frame that changed and changed back meanwhile: the pool leases what the
+        lookup found, so only a forced removal, then a new put of the same key at the same
         place, could do that, and that frame holds the same block. CPU caches only: a GPU
         reads through pinned staging."""
         if self.stream is not None:

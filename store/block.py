@@ -123,7 +123,8 @@ def verify(frame: memoryview | bytes, key: str | None = None, length: int | None
 
 
 _FIXED = struct.pack("<4sHH", MAGIC, VERSION, HEADER_SIZE)  # bytes 0-8 of every header
-assert struct.calcsize("<4sHHI") == 12 and struct.calcsize("<4sHHI8s16s") == 36
+KEY_AT, KEY_LEN = 12, 24  # where a header holds its key (namespace and chain), in bytes
+assert struct.calcsize("<4sHHI") == KEY_AT and struct.calcsize("<4sHHI8s16s") == KEY_AT + KEY_LEN
 _LEN_SUM = struct.Struct("<QQ")  # payload length and checksum, at byte 36
 
 
@@ -134,7 +135,7 @@ def verified_len(frame: memoryview, key: str, length: int) -> int:
     head = bytes(frame[:HEADER_SIZE])
     if (len(head) == HEADER_SIZE and head[:8] == _FIXED
             and xxhash.xxh32_intdigest(head[:_BODY.size]) == _CRC.unpack_from(head, _BODY.size)[0]
-            and head[12:36] == bytes.fromhex(key)):  # namespace and chain
+            and head[KEY_AT:KEY_AT + KEY_LEN] == bytes.fromhex(key)):
         plen, checksum = _LEN_SUM.unpack_from(head, 36)
         end = HEADER_SIZE + plen
         if end <= length and payload_checksum(frame[HEADER_SIZE:end]) == checksum:

@@ -40,7 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvtier.store.block import HEADER_SIZE, parse_header, verified_len, verify
+from kvtier.store.block import (HEADER_SIZE, KEY_AT, KEY_LEN, parse_header, verified_len,
+                                verify)
 from kvtier.store.config import MooncakeTierConfig
 from kvtier.store.errors import CorruptBlockError
 from kvtier.tiers import mooncake_check
@@ -56,6 +57,7 @@ from kvtier.tiers.mooncake_usage import PoolUsage
 FULL_RETRIES = 4            # back-off steps on -200 before TierFullError
 ALREADY_EXISTS = -705
 MIN_RUN = 8                 # fewer frames at one stride are copied, not read in place
+PROBE_EVERY = 16            # a predicted run is checked at every 16th frame's key
 
 
 @dataclass(frozen=True)
@@ -274,8 +276,30 @@ class MooncakeTier(Tier):
         """
         if self.segments is None or len(keys) < MIN_RUN or len(set(keys)) != len(keys):
             return []
+        run = self._predict(keys)
+        if run is not None:
+            return [run]
         places = self._places(keys)
         return [] if places is None else _runs(places)
+
+    def _predict(self, keys: Sequence[str]) -> InPlaceRun | None:
+        """One run over all `keys`, from where the first and the last lie, if frames spaced
+        evenly between them hold the keys' headers at every `PROBE_EVERY`-th place (what a
+        batch put leaves in a segment): two descriptors instead of one per key, which cost
+        ~2 ms at 511 keys. A frame the prediction gets wrong fails `verify_in_place`."""
+        ends = self._places([keys[0], keys[-1]])
+        if ends is None or ends[0] is None or ends[1] is None:
+            return None
+        (mem, first, size), (mem_last, last, size_last) = ends
+        n = len(keys)
+        stride, rem = divmod(last - first, n - 1)
+        if mem_last is not mem or size_last != size or rem or stride < size:
+            return None
+        for j in (*range(1, n - 1, PROBE_EVERY), n - 2):
+            at = first + j * stride + KEY_AT
+            if mem[at:at + KEY_LEN] != bytes.fromhex(keys[j]):
+                return None
+        return InPlaceRun(0, n, mem, first, stride, size)
 
     def verify_in_place(self, keys: Sequence[str], runs: Sequence[InPlaceRun]) -> list[int]:
         """Check the frames of `runs` where they lie, after the caller read them; payload

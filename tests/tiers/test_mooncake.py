@@ -442,6 +442,17 @@ def test_blocks_in_a_segment_file_are_located_in_runs_and_checked_where_they_lie
         assert reader.verify_in_place(keys, runs) == [4096] * len(keys)
         assert reader.counters()["in_place"] == len(keys)
 
+        # Two batches with other blocks put between them: not one stride from the first
+        # frame to the last, so each block's place is asked for, and each batch is a run.
+        more, more_frames = frames_for(2 * MIN_RUN, 4096)
+        filler, filler_frames = frames_for(3, 4096)
+        for ks, fs in ((more[:MIN_RUN], more_frames[:MIN_RUN]), (filler, filler_frames),
+                       (more[MIN_RUN:], more_frames[MIN_RUN:])):
+            assert lender.put(ks, fs) == [True] * len(ks)
+        split = reader.locate(more)
+        assert [(r.first, r.count) for r in split] == [(0, MIN_RUN), (MIN_RUN, MIN_RUN)]
+        assert reader.verify_in_place(more, split) == [4096] * len(more)
+
         [seg] = files.glob("kvtier-seg-*")
         mem = seg.read_bytes()
         at = mem.find(bytes(frames[5][HEADER_SIZE:HEADER_SIZE + 64]))
