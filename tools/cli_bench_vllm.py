@@ -45,6 +45,8 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
         render(console, doc, stat, f"kvtier bench vllm: TTFT in ms ({stat} of {repeats}), "
                                    f"tiny Llama {dtype}, chunk {chunk_tokens}, pool {pool}, "
                                    f"load {load}")
+    console.print(f"  b's first remote hit (maps a's segment; not in the table): "
+                  f"{doc['first_remote_hit_ms']} ms, {min(spec.sizes)} tokens")
     for t in doc["targets"]:
         mark = "[green]ok[/]" if t["ok"] else "[red]MISSED[/]"
         console.print(f"  {t['size']:>6} tokens, {t['stat']:>6}: {t['what']}: {t['value']} "
