@@ -453,6 +453,20 @@ def test_blocks_in_a_segment_file_are_located_in_runs_and_checked_where_they_lie
         assert [(r.first, r.count) for r in split] == [(0, MIN_RUN), (MIN_RUN, MIN_RUN)]
         assert reader.verify_in_place(more, split) == [4096] * len(more)
 
+        # Another block where block 5 should be, block 5 after the last: a prediction from
+        # the ends and every 16th key is wrong about block 5, which the check then catches.
+        odd, odd_frames = frames_for(3 * MIN_RUN, 4096)
+        other, other_frame = frames_for(1, 4096)
+        for ks, fs in ((odd[:5], odd_frames[:5]), (other, other_frame),
+                       (odd[6:], odd_frames[6:]), (odd[5:6], odd_frames[5:6])):
+            assert lender.put(ks, fs) == [True] * len(ks)
+        [guess] = reader.locate(odd)
+        assert (guess.first, guess.count) == (0, len(odd))
+        got = reader.verify_in_place(odd, [guess])
+        assert got[5] == MISS and got[:5] + got[6:] == [4096] * (len(odd) - 1)
+        out = bytearray(HEADER_SIZE + 4096)
+        assert reader.get(odd[5:6], [out]) == [4096] and out == odd_frames[5]
+
         [seg] = files.glob("kvtier-seg-*")
         mem = seg.read_bytes()
         at = mem.find(bytes(frames[5][HEADER_SIZE:HEADER_SIZE + 64]))
