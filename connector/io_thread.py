@@ -205,10 +205,10 @@ class IOThread:
         t0 = time.perf_counter()
         n = len(job.keys)
         got: list[int | None] = [None] * n
-        in_place = 0
         for i, g in enumerate(self._load_in_place(job)):
             if g == self.payload_len:
-                got[i], in_place = g, in_place + 1
+                got[i] = g
+        in_place = n - got.count(None)
         t1 = time.perf_counter()
         rest = [i for i in range(n) if got[i] is None]
         ok = n
@@ -232,6 +232,7 @@ class IOThread:
                   (time.perf_counter() - t1) * 1e3)
         with self.stats_lock:
             self.stats.add("load_chunks", ok)
+            self.stats.add("load_in_place_chunks", ok - sum(i < ok for i in rest))
             self.stats.add("load_bytes", ok * self.payload_len)
             self.stats.observe_ms("load", (time.perf_counter() - t0) * 1e3)
         self._finish_load(job, ok_rows=ok)

@@ -4,6 +4,7 @@
 [...]}}`. Counters sum when aggregated across workers and intervals; `ms` lists are the
 per-batch durations. Counter names: `hit_tokens:<tier>` (scheduler, tokens promised from each
 tier), `lookups`, `lookup_tokens` (tokens asked for), `load_bytes`, `load_chunks`,
+`load_in_place_chunks` (of those, scattered straight from a pool segment file),
 `load_error_blocks`, `save_bytes`, `save_chunks`, `save_failed_chunks`.
 """
 
@@ -73,6 +74,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     _COUNTERS = {
         "lookup_tokens": "Prompt tokens kvtier was asked about",
         "load_bytes": "Bytes loaded from kvtier into the paged KV cache",
+        "load_in_place_chunks": "Chunks loaded straight from a pool segment file, no copy",
         "save_bytes": "Bytes saved from the paged KV cache into kvtier",
         "load_error_blocks": "vLLM blocks kvtier failed to load (recomputed)",
         "save_failed_chunks": "Chunks kvtier could not save",

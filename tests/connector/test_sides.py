@@ -178,11 +178,13 @@ def test_stats_reach_prometheus():
     types = {cls: partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
     prom = KVTierPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"],
                              {0: ["0"]})
-    prom.observe({"counters": {"hit_tokens:dram": 512, "load_bytes": 1 << 20},
+    prom.observe({"counters": {"hit_tokens:dram": 512, "load_bytes": 1 << 20,
+                               "load_in_place_chunks": 16},
                   "ms": {"load": [4.0, 6.0], "save": []}})
     assert reg.get_sample_value("kvtier_hit_tokens_total",
                                 {"engine": "0", "tier": "dram"}) == 512
     assert reg.get_sample_value("kvtier_load_bytes_total", {"engine": "0"}) == 1 << 20
+    assert reg.get_sample_value("kvtier_load_in_place_chunks_total", {"engine": "0"}) == 16
     assert reg.get_sample_value("kvtier_load_seconds_count", {"engine": "0"}) == 2
 
 
@@ -415,6 +417,7 @@ def test_pool_chunks_are_scattered_from_the_segment_file_without_a_copy(pool_sid
     _, n = load_into(s, "r2", tokens, dst, local=3 * BS, tiers=["dram"] * 19)
     assert n == 20 * CHUNK - 3 * BS and s.worker.get_block_ids_with_load_errors() == set()
     assert in_place(s) == 19  # the chunk starting inside the local hit too
+    assert s.worker.get_stats().data["counters"]["load_in_place_chunks"] == 19
     for a, b in zip(blocks_of(s.caches, range(3, 40)), blocks_of(s.caches, dst[3:40])):
         assert torch.equal(a, b)
     assert not any(torch.equal(a, b) for a, b in zip(blocks_of(s.caches, src[2:3]),
@@ -459,6 +462,8 @@ def test_a_chunk_corrupt_in_the_segment_file_fails_its_blocks_and_every_later_on
     load_into(s, "r2", tokens, dst, tiers=["dram"] * 20)
     assert s.worker.get_block_ids_with_load_errors() == set(dst[4:40])
     assert in_place(s) == 19  # read in place and checked there; chunk 2 read again, bad
+    counters = s.worker.get_stats().data["counters"]
+    assert counters["load_in_place_chunks"] == 2 and counters["load_chunks"] == 2
     dram = s.worker.store.by_name["dram"]
     assert dram.counters()["corrupt"] == 1 and dram.contains(keys[2:3]) == [False]
     for a, b in zip(blocks_of(s.caches, src[:4]), blocks_of(s.caches, dst[:4])):
