@@ -484,6 +484,54 @@ def test_blocks_in_a_segment_file_are_located_in_runs_and_checked_where_they_lie
         master.stop()
 
 
+def test_a_frame_rewritten_while_it_is_read_in_place_never_passes_the_check(tmp_path):
+    """Reading first and checking after is safe against a frame that changes meanwhile
+    (its space reused by another block): whatever `verify_in_place` confirms equals what
+    the reader read before, even with the frames rewritten under it while it reads."""
+    from kvtier.tiers.mooncake import MIN_RUN
+    master = start_master(tmp_path)
+    files = tmp_path / "shm"
+    lender = open_pool(tmp_path / "a", master.address, capacity="16MiB", staging="8MiB",
+                       segment_dir=str(files))
+    reader = open_pool(tmp_path / "b", master.address, lend=False, capacity="16MiB",
+                       staging="8MiB", segment_dir=str(files))
+    try:
+        keys, frames = frames_for(4 * MIN_RUN, 4096)
+        assert lender.put(keys, frames) == [True] * len(keys)
+        runs = reader.locate(keys)
+        at = {run.first + j: run.offset + j * run.stride
+              for run in runs for j in range(run.count)}
+        assert sorted(at) == list(range(len(keys)))
+        [seg] = files.glob("kvtier-seg-*")
+        _, others = frames_for(len(keys), 4096)  # what lands where each frame was
+
+        def rewrite() -> None:
+            fd = os.open(seg, os.O_WRONLY)
+            try:
+                for i in range(len(keys)):
+                    os.pwrite(fd, bytes(others[i]), at[i])
+                    time.sleep(0.002)
+            finally:
+                os.close(fd)
+        writer = threading.Thread(target=rewrite)
+        writer.start()
+        rounds = confirmed = 0
+        while writer.is_alive() and rounds < 5000:
+            rounds += 1
+            read = {i: bytes(runs[0].mem[off:off + len(frames[i])]) for i, off in at.items()}
+            for i, n in enumerate(reader.verify_in_place(keys, runs)):
+                if n != MISS:
+                    confirmed += 1
+                    assert read[i] == bytes(frames[i]), f"block {i} confirmed, read torn"
+        writer.join()
+        assert rounds > 1 and confirmed > 0  # the check ran against frames still whole
+        assert reader.verify_in_place(keys, runs) == [MISS] * len(keys)
+    finally:
+        reader.close()
+        lender.close()
+        master.stop()
+
+
 def test_in_place_runs_are_one_mapping_one_stride_one_size():
     from kvtier.tiers.mooncake import MIN_RUN, _runs
     a, b = memoryview(bytearray(1 << 20)), memoryview(bytearray(1 << 20))
