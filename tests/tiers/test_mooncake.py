@@ -374,162 +374,151 @@ def test_embedded_master_killed_is_replaced_by_the_next_call(tmp_path):
         tier.client.owned_master.stop()
 
 
-def test_blocks_in_a_segment_file_are_read_straight_from_it(tmp_path, monkeypatch):
-    """`segment_dir`: the lender's segment is a file; a reader copies blocks out of it and
-    sends only the rest (misses, bad frames) through Mooncake's transfer."""
-    from kvtier.tiers.mooncake_files import parse_name
+@pytest.fixture
+def lent_file(tmp_path):
+    """A lender whose segment is a file in `files`, and a reader of the same node."""
     master = start_master(tmp_path)
     files = tmp_path / "shm"
     lender = open_pool(tmp_path / "a", master.address, capacity="16MiB", staging="8MiB",
                        segment_dir=str(files))
     reader = open_pool(tmp_path / "b", master.address, lend=False, capacity="16MiB",
                        staging="8MiB", segment_dir=str(files))
+    yield lender, reader, files
+    reader.close()
+    lender.close()
+    master.stop()
+
+
+def flip_byte(files: Path, frame, at: int) -> None:
+    """Flip byte `at` of `frame`'s payload where it lies in the lender's segment file."""
+    [seg] = files.glob("kvtier-seg-*")
+    mem = seg.read_bytes()
+    start = mem.find(bytes(frame[HEADER_SIZE:HEADER_SIZE + 64]))
+    assert start > 0
+    with open(seg, "r+b") as f:
+        f.seek(start + at)
+        f.write(bytes([mem[start + at] ^ 1]))
+
+
+def test_blocks_in_a_segment_file_are_read_straight_from_it(lent_file, monkeypatch):
+    """`segment_dir`: the lender's segment is a file; a reader copies blocks out of it and
+    sends only the rest (misses, bad frames) through Mooncake's transfer."""
+    from kvtier.tiers.mooncake_files import parse_name
+    lender, reader, files = lent_file
     sent = []
     transfer = reader._transfer
     monkeypatch.setattr(reader, "_transfer",
                         lambda op, keys, *a, **kw: sent.append(list(keys)) or
                         transfer(op, keys, *a, **kw))
-    try:
-        [seg] = list(files.glob("kvtier-seg-*"))
-        assert parse_name(seg.name)[2] == os.getpid()
-        keys, frames = frames_for(3, 1 << 20)
-        assert lender.put(keys, frames) == [True] * 3
-        absent = new_key()
-        outs = [bytearray(HEADER_SIZE + (1 << 20)) for _ in range(4)]
-        assert reader.get(keys + [absent], outs) == [1 << 20] * 3 + [MISS]
-        assert [bytes(o) for o in outs[:3]] == [bytes(f) for f in frames]
-        assert sent == [[absent]]  # only the miss went through Mooncake
+    [seg] = list(files.glob("kvtier-seg-*"))
+    assert parse_name(seg.name)[2] == os.getpid()
+    keys, frames = frames_for(3, 1 << 20)
+    assert lender.put(keys, frames) == [True] * 3
+    absent = new_key()
+    outs = [bytearray(HEADER_SIZE + (1 << 20)) for _ in range(4)]
+    assert reader.get(keys + [absent], outs) == [1 << 20] * 3 + [MISS]
+    assert [bytes(o) for o in outs[:3]] == [bytes(f) for f in frames]
+    assert sent == [[absent]]  # only the miss went through Mooncake
 
-        # A frame that fails its check is read the usual way, which quarantines it.
-        mem = seg.read_bytes()
-        at = mem.find(bytes(frames[0][HEADER_SIZE:HEADER_SIZE + 64]))
-        with open(seg, "r+b") as f:
-            f.seek(at + 100)
-            f.write(bytes([mem[at + 100] ^ 1]))
-        sent.clear()
-        assert reader.get(keys[:2], outs[:2]) == [MISS, 1 << 20]
-        assert sent == [[keys[0]]] and reader.counters()["corrupt"] == 1
-    finally:
-        reader.close()
-        lender.close()
-        master.stop()
+    # A frame that fails its check is read the usual way, which quarantines it.
+    flip_byte(files, frames[0], 100)
+    sent.clear()
+    assert reader.get(keys[:2], outs[:2]) == [MISS, 1 << 20]
+    assert sent == [[keys[0]]] and reader.counters()["corrupt"] == 1
+    lender.close()
     assert not list(files.glob("kvtier-seg-*"))  # the lender took its file along
 
 
-def test_blocks_in_a_segment_file_are_located_in_runs_and_checked_where_they_lie(tmp_path):
+def test_blocks_in_a_segment_file_are_located_in_runs_and_checked_where_they_lie(lent_file):
     """`locate` hands out runs of frames at one stride in a lender's file (what a batch put
     leaves in a fresh segment); `verify_in_place` checks them there, after the read, and a
     frame that fails is a MISS left to `get`, which quarantines it."""
     from kvtier.tiers.mooncake import MIN_RUN
-    master = start_master(tmp_path)
-    files = tmp_path / "shm"
-    lender = open_pool(tmp_path / "a", master.address, capacity="16MiB", staging="8MiB",
-                       segment_dir=str(files))
-    reader = open_pool(tmp_path / "b", master.address, lend=False, capacity="16MiB",
-                       staging="8MiB", segment_dir=str(files))
-    try:
-        keys, frames = frames_for(3 * MIN_RUN, 4096)
-        assert lender.put(keys, frames) == [True] * len(keys)
-        assert reader.locate(keys[:MIN_RUN - 1]) == []  # too few to be worth a batched op
-        runs = reader.locate(keys)
-        assert sorted(i for r in runs for i in range(r.first, r.first + r.count)) == \
-            list(range(len(keys)))
-        for run in runs:
-            assert run.stride >= run.size == HEADER_SIZE + 4096
-            for j in range(run.count):
-                at = run.offset + j * run.stride
-                assert bytes(run.mem[at:at + run.size]) == bytes(frames[run.first + j])
-        assert reader.verify_in_place(keys, runs) == [4096] * len(keys)
-        assert reader.counters()["in_place"] == len(keys)
+    lender, reader, files = lent_file
+    keys, frames = frames_for(3 * MIN_RUN, 4096)
+    assert lender.put(keys, frames) == [True] * len(keys)
+    assert reader.locate(keys[:MIN_RUN - 1]) == []  # too few to be worth a batched op
+    runs = reader.locate(keys)
+    assert sorted(i for r in runs for i in range(r.first, r.first + r.count)) == \
+        list(range(len(keys)))
+    for run in runs:
+        assert run.stride >= run.size == HEADER_SIZE + 4096
+        for j in range(run.count):
+            at = run.offset + j * run.stride
+            assert bytes(run.mem[at:at + run.size]) == bytes(frames[run.first + j])
+    assert reader.verify_in_place(keys, runs) == [4096] * len(keys)
+    assert reader.counters()["in_place"] == len(keys)
 
-        # Two batches with other blocks put between them: not one stride from the first
-        # frame to the last, so each block's place is asked for, and each batch is a run.
-        more, more_frames = frames_for(2 * MIN_RUN, 4096)
-        filler, filler_frames = frames_for(3, 4096)
-        for ks, fs in ((more[:MIN_RUN], more_frames[:MIN_RUN]), (filler, filler_frames),
-                       (more[MIN_RUN:], more_frames[MIN_RUN:])):
-            assert lender.put(ks, fs) == [True] * len(ks)
-        split = reader.locate(more)
-        assert [(r.first, r.count) for r in split] == [(0, MIN_RUN), (MIN_RUN, MIN_RUN)]
-        assert reader.verify_in_place(more, split) == [4096] * len(more)
+    # Two batches with other blocks put between them: not one stride from the first
+    # frame to the last, so each block's place is asked for, and each batch is a run.
+    more, more_frames = frames_for(2 * MIN_RUN, 4096)
+    filler, filler_frames = frames_for(3, 4096)
+    for ks, fs in ((more[:MIN_RUN], more_frames[:MIN_RUN]), (filler, filler_frames),
+                   (more[MIN_RUN:], more_frames[MIN_RUN:])):
+        assert lender.put(ks, fs) == [True] * len(ks)
+    split = reader.locate(more)
+    assert [(r.first, r.count) for r in split] == [(0, MIN_RUN), (MIN_RUN, MIN_RUN)]
+    assert reader.verify_in_place(more, split) == [4096] * len(more)
 
-        # Another block where block 5 should be, block 5 after the last: a prediction from
-        # the ends and every 16th key is wrong about block 5, which the check then catches.
-        odd, odd_frames = frames_for(3 * MIN_RUN, 4096)
-        other, other_frame = frames_for(1, 4096)
-        for ks, fs in ((odd[:5], odd_frames[:5]), (other, other_frame),
-                       (odd[6:], odd_frames[6:]), (odd[5:6], odd_frames[5:6])):
-            assert lender.put(ks, fs) == [True] * len(ks)
-        [guess] = reader.locate(odd)
-        assert (guess.first, guess.count) == (0, len(odd))
-        got = reader.verify_in_place(odd, [guess])
-        assert got[5] == MISS and got[:5] + got[6:] == [4096] * (len(odd) - 1)
-        out = bytearray(HEADER_SIZE + 4096)
-        assert reader.get(odd[5:6], [out]) == [4096] and out == odd_frames[5]
+    # Another block where block 5 should be, block 5 after the last: a prediction from
+    # the ends and every 16th key is wrong about block 5, which the check then catches.
+    odd, odd_frames = frames_for(3 * MIN_RUN, 4096)
+    other, other_frame = frames_for(1, 4096)
+    for ks, fs in ((odd[:5], odd_frames[:5]), (other, other_frame),
+                   (odd[6:], odd_frames[6:]), (odd[5:6], odd_frames[5:6])):
+        assert lender.put(ks, fs) == [True] * len(ks)
+    [guess] = reader.locate(odd)
+    assert (guess.first, guess.count) == (0, len(odd))
+    got = reader.verify_in_place(odd, [guess])
+    assert got[5] == MISS and got[:5] + got[6:] == [4096] * (len(odd) - 1)
+    out = bytearray(HEADER_SIZE + 4096)
+    assert reader.get(odd[5:6], [out]) == [4096] and out == odd_frames[5]
 
-        [seg] = files.glob("kvtier-seg-*")
-        mem = seg.read_bytes()
-        at = mem.find(bytes(frames[5][HEADER_SIZE:HEADER_SIZE + 64]))
-        with open(seg, "r+b") as f:
-            f.seek(at + 100)
-            f.write(bytes([mem[at + 100] ^ 1]))
-        got = reader.verify_in_place(keys, reader.locate(keys))
-        assert got[5] == MISS and got[:5] + got[6:] == [4096] * (len(keys) - 1)
-        assert reader.counters()["corrupt"] == 0  # not quarantined from here: `get` does it
-        assert reader.get(keys[5:6], [bytearray(HEADER_SIZE + 4096)]) == [MISS]
-        assert reader.counters()["corrupt"] == 1 and lender.contains(keys[5:6]) == [False]
-    finally:
-        reader.close()
-        lender.close()
-        master.stop()
+    # A frame gone bad in the file: a MISS here, quarantined by `get`.
+    flip_byte(files, frames[5], 100)
+    got = reader.verify_in_place(keys, reader.locate(keys))
+    assert got[5] == MISS and got[:5] + got[6:] == [4096] * (len(keys) - 1)
+    assert reader.counters()["corrupt"] == 0  # not quarantined from here: `get` does it
+    assert reader.get(keys[5:6], [bytearray(HEADER_SIZE + 4096)]) == [MISS]
+    assert reader.counters()["corrupt"] == 1 and lender.contains(keys[5:6]) == [False]
 
 
-def test_a_frame_rewritten_while_it_is_read_in_place_never_passes_the_check(tmp_path):
+def test_a_frame_rewritten_while_it_is_read_in_place_never_passes_the_check(lent_file):
     """Reading first and checking after is safe against a frame that changes meanwhile
     (its space reused by another block): whatever `verify_in_place` confirms equals what
     the reader read before, even with the frames rewritten under it while it reads."""
     from kvtier.tiers.mooncake import MIN_RUN
-    master = start_master(tmp_path)
-    files = tmp_path / "shm"
-    lender = open_pool(tmp_path / "a", master.address, capacity="16MiB", staging="8MiB",
-                       segment_dir=str(files))
-    reader = open_pool(tmp_path / "b", master.address, lend=False, capacity="16MiB",
-                       staging="8MiB", segment_dir=str(files))
-    try:
-        keys, frames = frames_for(4 * MIN_RUN, 4096)
-        assert lender.put(keys, frames) == [True] * len(keys)
-        runs = reader.locate(keys)
-        at = {run.first + j: run.offset + j * run.stride
-              for run in runs for j in range(run.count)}
-        assert sorted(at) == list(range(len(keys)))
-        [seg] = files.glob("kvtier-seg-*")
-        _, others = frames_for(len(keys), 4096)  # what lands where each frame was
+    lender, reader, files = lent_file
+    keys, frames = frames_for(4 * MIN_RUN, 4096)
+    assert lender.put(keys, frames) == [True] * len(keys)
+    runs = reader.locate(keys)
+    at = {run.first + j: run.offset + j * run.stride
+          for run in runs for j in range(run.count)}
+    assert sorted(at) == list(range(len(keys)))
+    [seg] = files.glob("kvtier-seg-*")
+    _, others = frames_for(len(keys), 4096)  # what lands where each frame was
 
-        def rewrite() -> None:
-            fd = os.open(seg, os.O_WRONLY)
-            try:
-                for i in range(len(keys)):
-                    os.pwrite(fd, bytes(others[i]), at[i])
-                    time.sleep(0.002)
-            finally:
-                os.close(fd)
-        writer = threading.Thread(target=rewrite)
-        writer.start()
-        rounds = confirmed = 0
-        while writer.is_alive() and rounds < 5000:
-            rounds += 1
-            read = {i: bytes(runs[0].mem[off:off + len(frames[i])]) for i, off in at.items()}
-            for i, n in enumerate(reader.verify_in_place(keys, runs)):
-                if n != MISS:
-                    confirmed += 1
-                    assert read[i] == bytes(frames[i]), f"block {i} confirmed, read torn"
-        writer.join()
-        assert rounds > 1 and confirmed > 0  # the check ran against frames still whole
-        assert reader.verify_in_place(keys, runs) == [MISS] * len(keys)
-    finally:
-        reader.close()
-        lender.close()
-        master.stop()
+    def rewrite() -> None:
+        fd = os.open(seg, os.O_WRONLY)
+        try:
+            for i in range(len(keys)):
+                os.pwrite(fd, bytes(others[i]), at[i])
+                time.sleep(0.002)
+        finally:
+            os.close(fd)
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    rounds = confirmed = 0
+    while writer.is_alive() and rounds < 5000:
+        rounds += 1
+        read = {i: bytes(runs[0].mem[off:off + len(frames[i])]) for i, off in at.items()}
+        for i, n in enumerate(reader.verify_in_place(keys, runs)):
+            if n != MISS:
+                confirmed += 1
+                assert read[i] == bytes(frames[i]), f"block {i} confirmed, read torn"
+    writer.join()
+    assert rounds > 1 and confirmed > 0  # the check ran against frames still whole
+    assert reader.verify_in_place(keys, runs) == [MISS] * len(keys)
 
 
 def test_in_place_runs_are_one_mapping_one_stride_one_size():
