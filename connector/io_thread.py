@@ -242,12 +242,13 @@ class IOThread:
         segment, mapped from its file) straight into the paged cache, then have the store
         check them there; payload length per chunk, `MISS` for those left to `store.load`.
 
-        Reading before checking is safe: a chunk that fails the check is loaded again, and
-        no block is reported before its chunk passed. What a check after the read cannot
-        see is a frame that changed and changed back meanwhile: the pool leases what the
-        lookup found, so only a forced removal, then a new put of the same key at the same
-        place, could do that, and that frame holds the same block. CPU caches only: a GPU
-        reads through pinned staging."""
+        A chunk that fails the check is loaded again, and no block is reported before its
+        chunk passed. What a check after the read cannot see is a frame replaced and put
+        back while it was read (removed, another block's frame read in its place, the same
+        key put again at the same address before the check): the pool leases what the
+        lookup found, so only a forced removal (a demotion) can start that, and it would
+        have to finish within one read (README, "Segments in files"). CPU caches only: a
+        GPU reads through pinned staging."""
         if self.stream is not None:
             return []
         elem = self.paged.views[0].element_size()

@@ -152,6 +152,10 @@ class MooncakeTierConfig(BaseModel):
     # memory: the other kvtier processes of the node then copy its blocks straight out of
     # the file, with no transfer (`tiers.mooncake_files`). Embedded clients only.
     segment_dir: str | None = None
+    # With `segment_dir`: a CPU engine scatters the blocks it loads straight out of a
+    # lender's file and checks them there after (README, "Segments in files"); false copies
+    # each frame and checks the copy first, which closes the one gap reading in place has.
+    read_in_place: bool = True
     eviction: EvictionConfig | None = None
 
     @model_validator(mode="after")

@@ -274,7 +274,8 @@ class MooncakeTier(Tier):
         `get`. Only runs of `MIN_RUN` blocks or more are worth it (each is one batched op
         for the caller). What a run holds is unverified until `verify_in_place` says so.
         """
-        if self.segments is None or len(keys) < MIN_RUN or len(set(keys)) != len(keys):
+        if (self.segments is None or not self.cfg.read_in_place or len(keys) < MIN_RUN
+                or len(set(keys)) != len(keys)):
             return []
         run = self._predict(keys)
         if run is not None:

@@ -448,6 +448,16 @@ def test_blocks_in_a_segment_file_are_located_in_runs_and_checked_where_they_lie
             assert bytes(run.mem[at:at + run.size]) == bytes(frames[run.first + j])
     assert reader.verify_in_place(keys, runs) == [4096] * len(keys)
     assert reader.counters()["in_place"] == len(keys)
+    strict = open_pool(files.parent / "c", lender.ctx.master.address, lend=False,
+                       capacity="16MiB", staging="8MiB", segment_dir=str(files),
+                       read_in_place=False)
+    try:  # copies and checks the copy instead
+        assert strict.locate(keys) == []
+        outs = [bytearray(HEADER_SIZE + 4096) for _ in keys]
+        assert strict.get(keys, outs) == [4096] * len(keys)
+        assert [bytes(o) for o in outs] == [bytes(f) for f in frames]
+    finally:
+        strict.close()
 
     # Two batches with other blocks put between them: not one stride from the first
     # frame to the last, so each block's place is asked for, and each batch is a run.
