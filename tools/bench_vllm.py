@@ -47,11 +47,11 @@ class BenchSpec:
     block_size: int = 32
     dtype: str = "bfloat16"
     inproc: bool = True
+    # "files": each engine lends its segment from a /dev/shm file the other engine reads
+    # straight out of (`segment_dir`; the fastest remote hit, BENCHMARKS.md);
     # "service": both engines join one pool service (the node's segment, shared memory);
-    # "embedded": each engine lends its own segment and reads the other's over TCP;
-    # "files": as embedded, segments lent from /dev/shm files the other engine reads
-    # straight out of (`segment_dir`).
-    pool: str = "service"
+    # "embedded": each engine lends its own segment and reads the other's over TCP.
+    pool: str = "files"
     load: str = "async"  # the connector's `load` setting (async, sync, auto)
 
 

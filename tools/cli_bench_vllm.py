@@ -21,11 +21,11 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
          dtype: str = typer.Option("bfloat16", help="engine dtype (bfloat16, float32)"),
          multiproc: bool = typer.Option(False, "--multiproc", help="vLLM's multi-process "
                                         "engine (scheduler and worker apart; slow start)"),
-         pool: str = typer.Option("service", help="service: both engines join one pool "
-                                  "service (shared memory); embedded: each lends its own "
-                                  "segment, the other reads it over TCP; files: embedded, "
-                                  "segments lent from /dev/shm files the other reads "
-                                  "directly"),
+         pool: str = typer.Option("files", help="files: each engine lends its segment "
+                                  "from a /dev/shm file the other reads directly; service: "
+                                  "both engines join one pool service (shared memory); "
+                                  "embedded: each lends its own segment, the other reads "
+                                  "it over TCP"),
          load: str = typer.Option("async", help="the connector's load setting: async, sync, "
                                   "auto (sync when the engine runs nothing else)"),
          dir: Optional[Path] = typer.Option(None, "--dir", help="keep the model, tiers and "
