@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -231,6 +232,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     def teardown(self):
         self.ix.close()
+        shutil.rmtree(self.dir)  # one per example, outside pytest's tmp_path
 
 
 TestIndexMachine = IndexMachine.TestCase
