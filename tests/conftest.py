@@ -6,6 +6,8 @@ Every server binds loopback on a free port; every fixture stops what it starts.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +28,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_ipc_dir():
+    """vLLM makes its IPC sockets in `VLLM_RPC_BASE_PATH` (default: the temp dir), and a run
+    of the suite left 14-16 behind there: keep them in a directory of the run's own, removed
+    at its end (a short one: a socket path has at most 107 bytes)."""
+    path = tempfile.mkdtemp(prefix="kvtier-ipc-")
+    old = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    yield path
+    if old is None:
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+    else:
+        os.environ["VLLM_RPC_BASE_PATH"] = old
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
