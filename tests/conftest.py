@@ -6,8 +6,6 @@ Every server binds loopback on a free port; every fixture stops what it starts.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,19 +29,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _vllm_ipc_dir():
+def _vllm_ipc_dir(tmp_path_factory):
     """vLLM makes its IPC sockets in `VLLM_RPC_BASE_PATH` (default: the temp dir), and a run
-    of the suite left 14-16 behind there: keep them in a directory of the run's own, removed
-    at its end (a short one: a socket path has at most 107 bytes)."""
-    path = tempfile.mkdtemp(prefix="kvtier-ipc-")
-    old = os.environ.get("VLLM_RPC_BASE_PATH")
-    os.environ["VLLM_RPC_BASE_PATH"] = path
-    yield path
-    if old is None:
-        os.environ.pop("VLLM_RPC_BASE_PATH", None)
-    else:
-        os.environ["VLLM_RPC_BASE_PATH"] = old
-    shutil.rmtree(path, ignore_errors=True)
+    of the suite left 14-16 behind there: keep them under the run's own temp dir (its path
+    stays short: a socket path has at most 107 bytes)."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("ipc")
+        mp.setenv("VLLM_RPC_BASE_PATH", str(path))
+        yield path
 
 
 @pytest.fixture(autouse=True)
