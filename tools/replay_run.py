@@ -124,7 +124,8 @@ def _job(args) -> tuple:
     fp = c.footprint_blocks * c.work.block_tokens * params.bytes_per_token
     if policy == BOUND:
         fp_tokens = c.footprint_blocks * c.work.block_tokens
-        rate = online_bound(c.work, _SYNTHETIC[0], [frac * fp_tokens])[0]
+        rate = online_bound(c.work, _SYNTHETIC[0], [frac * fp_tokens],
+                            params.prefill_tokens_per_s)[0]
         return name, policy, frac, 100.0 * rate, time.perf_counter() - t0, {}
     if tiered:
         rp = TieredReplay(c, policy, tuple(f * fp for f in tiered), params)

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from kvtier.tools.cli import app
-from kvtier.tools.online_bound import online_bound, returns_of
+from kvtier.tools.online_bound import DT_S, _bound, _spread, online_bound, returns_of
 from kvtier.tools.segments import compile_workload
 from kvtier.tools.sim_tiered import TieredReplay
 from kvtier.tools.simulate import Replay, SimParams, total_input_tokens
@@ -51,11 +53,28 @@ def test_online_bound_is_above_every_online_policy_and_below_the_infinite_cache(
     infinite = rate(c, "lru", float("inf"), total)
     assert bounds == sorted(bounds) and bounds[-1] <= infinite + 1e-6
     assert bounds[-1] == pytest.approx(infinite, abs=1.0)  # room for all: nearly everything
-    shared = returns_of(c.work).shared_hits / total * 100
+    shared = returns_of(c.work, SMALL.prefill_tokens_per_s).shared_hits / total * 100
     assert bounds[0] < shared + 1.0  # no room beyond the system prompt: little more than it
     for frac, bound in zip(fracs[1:3], bounds[1:3]):
         got = {p: rate(c, p, frac * fp, total) for p in ONLINE}
         assert all(v <= bound for v in got.values()), (frac, bound, got)
+
+
+def test_the_bound_counts_what_holding_through_a_turn_costs(small):
+    c, fp, total = small
+    r = returns_of(c.work, SMALL.prefill_tokens_per_s)
+    cap = 0.1 * c.footprint_blocks * c.work.block_tokens
+    free = replace(r, start_s=r.end_s, window_s=np.zeros_like(r.window_s))  # turns cost nothing
+    assert _bound(r, cap, SMALL) < _bound(free, cap, SMALL) - 0.01 * total
+
+
+def test_spread_puts_each_interval_on_the_steps_it_covers():
+    occ = np.zeros(8)
+    step = DT_S
+    _spread(occ, np.array([0.2, 1.0, 5.0]) * step, np.array([0.7, 3.5, 5.0]) * step,
+            np.array([2.0, 1.0, 9.0]))
+    want = np.array([1.0, 1.0, 1.0, 0.5, 0, 0, 0, 0]) * step
+    assert occ == pytest.approx(want)
 
 
 def test_tiny_capacity_still_respects_it_and_infinite_is_the_ideal(small):
