@@ -94,9 +94,9 @@ def replay(
     bytes_per_token: int = typer.Option(131_072, min=1, help="KV bytes per token"),
     prefill_tps: float = typer.Option(20_000.0, min=1.0, help="prefill tokens per second"),
     jobs: int = typer.Option(min(2, os.cpu_count() or 1), min=1, help="worker processes"),
-    online_bound: bool = typer.Option(False, "--online-bound", help="simulate: add the highest "
-                                      "hit rate any online policy can reach on synthetic "
-                                      "(about 20 s per capacity)"),
+    online_bound: bool = typer.Option(False, "--online-bound", help="simulate: add an upper "
+                                      "bound on the hit rate any online policy can reach on "
+                                      "synthetic (about 80 s per capacity)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     instances: str = typer.Option("4", help="engines: instance counts (a list sweeps, with "
                                   "--sessions per instance)"),

@@ -7,29 +7,29 @@ arbitrary share of the gap to Belady. This module computes how far one can get a
 
 The model: a relaxation of the replay's semantics (`tools.simulate`), so the bound holds for
 every policy that knows the gap distribution and when sessions end.
-- Each own token of a session is treated on its own (that a hit needs the whole prefix
-  before it is dropped, which only loosens the bound). Turn r runs from its arrival `t_r` to
-  its end `e_r`, when its gap `G_r` is drawn. A token held at `e_r` is held on for a chosen
-  `tau` (not knowing `G_r`) and can hit turn r+1 if `G_r < tau`.
-- Holding before `e_r` costs too. A token hit at `t_r` and held at `e_r` was held all of
-  `[t_r, e_r]` (a hit block evicted during its turn is not saved again). Any other token held
-  at `e_r` was saved after prefill, at the latest `w_r` before `e_r`, `w_r` being the time
-  to prefill the turn's shared prefix, unless the policy dropped that prefix: dropping `b` of
-  its tokens shortens the window by `b / rate` but makes the turn miss them, and, as the
-  prefix is back only once a request that missed it saves it, saves at most the price of
-  `[the arrival before, e_r]` per token (the drop's gain is credited, the miss charged to
-  the turn's own tokens).
+- Turn k of a session runs from its arrival `t_k` to its end `e_k`, when its gap `G_k` is
+  drawn. What the session holds is a head of its own context (a block is worthless without
+  the blocks before it): after turn k, some amount, held on for a chosen `tau` (not knowing
+  `G_k`); turn k+1 hits it if `G_k < tau`.
+- Holding before `e_k` costs too. A block hit at `t_k` and held at `e_k` was held all of
+  `[t_k, e_k]` (a hit block evicted during its turn is not saved again). Any other block held
+  at `e_k` was saved after prefill, at the latest the prefill time of what the turn hit
+  before `e_k`. A policy may drop the shared prefix to save later: dropping `b` of its
+  tokens shortens that window by `b / rate` but makes the turn miss them and all its own
+  tokens, and as the prefix is back only once a request that missed it saves it, the drop
+  saves at most the price of `[the arrival before, e_k]` per token dropped.
 - The shared prefix is held from its first save to the last arrival, hit by every request.
 - At every instant what is held fits the capacity.
 
 Lagrangian duality on the capacity constraint gives, for any price path `lam(t) >= 0`, an
 upper bound: the price of the room left beside the shared prefix, plus the shared hits (each
-at least 1, or its drop's price), plus per own token the value of a two-state dynamic
-programme over its session's turns (it can hit this turn or not; a hit makes holding on
-through the turn dearer). Every `lam` gives a valid bound (in expectation over the gaps);
+at least 1, or its drop's price), plus per session the value of a dynamic programme over its
+turns (`_Dual._backward`). Every `lam` gives a valid bound (in expectation over the gaps);
 projected subgradient descent on `lam` tightens it, and the lowest value seen is kept.
-Discretised conservatively: prices are integrated exactly over the step grid, a gap step's
-survival is taken at its end, a drop's cost at the low end of its interval.
+Discretised conservatively: prices are integrated exactly over the step grid; a hold ending
+anywhere in a gap step gets the step's end's chance of a hit and costs what holding to its
+start does, with the survival of each step before taken at its end; a drop costs what the
+low end of its interval does.
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ from kvtier.tools.traces import Workload
 
 DT_S = 0.25          # the price path's time step
 HORIZON_S = 400.0    # longest hold considered; the gap's mass beyond it counts as a free hit
+FINE_S, FINE_UNTIL_S = 0.05, 30.0   # holds end on a finer grid up to here (less slack)
 ITERATIONS = 300
+DECAY = 0.99         # of the subgradient step, per iteration
 
 
 @dataclass(frozen=True)
@@ -107,27 +109,29 @@ def returns_of(w: Workload, prefill_tokens_per_s: float) -> Returns:
 
 
 DROP_STEPS = 16     # partial drops of the shared prefix considered, per turn
+FORGO, COLD, TAKE, PART, ALL = range(5)   # the options of a session after a turn
 
 
 @dataclass
 class _Prices:
     """What the price path makes of every turn (arrays over sessions x turns)."""
 
-    hold: np.ndarray    # (sessions, turns, steps): price of holding a token tau after the end
-    window: np.ndarray  # P: of [end - window, end], a token saved this turn held to its end
-    turn: np.ndarray    # Q: of [start, end - window] (a hit token held on through its turn)
+    hold: np.ndarray    # (sessions, turns, steps): of holding a token into gap step j
+    through: np.ndarray  # of [start, end]: a hit block held on through its turn
     drop: np.ndarray    # of [the arrival before, end]: a drop of the shared prefix up to now
-    cold: np.ndarray    # the least a token that does not hit pays to be held at the end:
+    cold: np.ndarray    # per own token, the least holding all at the end costs, no hit taken:
     cold_b: np.ndarray  # ... with this many shared tokens dropped
-    cold_w: np.ndarray  # ... and held this long before the end
+    cold_w: np.ndarray  # ... and each held this long before the end
 
 
 class _Dual:
     """The dual function of one capacity: `value(lam)` and its subgradient."""
 
     def __init__(self, r: Returns, capacity: float, mu: float, sigma: float):
-        self.r, self.steps, self.rate = r, int(HORIZON_S / DT_S), r.rate
-        edges = np.arange(self.steps + 1) * DT_S
+        self.r, self.rate = r, r.rate
+        edges = np.concatenate([np.arange(0.0, FINE_UNTIL_S, FINE_S),
+                                np.arange(FINE_UNTIL_S, HORIZON_S + DT_S / 2, DT_S)])
+        self.edges, self.steps = edges, len(edges) - 1
         surv = np.array([survival(float(x), mu, sigma) for x in edges])
         self.cdf = 1.0 - surv[1:]
         self.cdf[-1] = 1.0                                  # beyond the horizon: a free hit
@@ -144,11 +148,11 @@ class _Dual:
 
     def _prices(self, lam: np.ndarray) -> _Prices:
         r, at = self.r, lambda x: self._integral(lam, x)  # noqa: E731
-        end_price, saved = at(r.end_s), at(r.end_s - r.window_s)
+        end_price = at(r.end_s)
         drop = end_price - at(r.drop_from_s)
         # Dropping b of the turn's shared tokens (so that it saves later, as a miss does)
-        # costs its tokens at least b * (1 - drop) / tokens each and shortens the window by
-        # b / rate; lower bound per interval of b: its low end's cost, its high end's window.
+        # costs at least b * (1 - drop) and shortens the window by b / rate; lower bound per
+        # interval of b: its low end's cost, its high end's window. Spread over own tokens.
         per = np.maximum(1.0 - drop, 0.0) / np.maximum(r.tokens, 1.0)
         frac = np.linspace(0.0, 1.0, DROP_STEPS + 1)
         b = r.shared[..., None] * frac                                  # (.., DROP_STEPS + 1)
@@ -157,73 +161,104 @@ class _Dual:
                                                                             - w[..., 1:]))
         pick = costs.argmin(axis=-1)[..., None]
         big = at(self.gap_points)
-        return _Prices(np.cumsum(np.diff(big, axis=-1) * self.surv_end, axis=-1),
-                       end_price - saved, saved - at(r.start_s), drop,
+        # holding until anywhere in gap step j costs at least holding until its start
+        steps = np.cumsum(np.diff(big, axis=-1) * self.surv_end, axis=-1)
+        hold = np.concatenate([np.zeros((*steps.shape[:-1], 1)), steps[..., :-1]], axis=-1)
+        return _Prices(hold,
+                       end_price - at(r.start_s), drop,
                        np.take_along_axis(costs, pick, -1)[..., 0],
                        np.take_along_axis(b[..., :-1], pick, -1)[..., 0],
                        np.take_along_axis(w[..., 1:], pick, -1)[..., 0])
 
     def value(self, lam: np.ndarray) -> tuple[float, np.ndarray]:
+        """The bound at `lam` and a subgradient of it."""
         r, p = self.r, self._prices(lam)
-        m, hit, tau, born = self._backward(p)
+        first, plan = self._backward(lam, p)
         credit = r.shared * np.maximum(1.0, p.drop)
-        total = float(self.room @ lam) + float((born * r.tokens).sum()) + float(credit.sum())
-        occ, dropped = self._occupancy(p, m, hit, tau)
+        total = float(self.room @ lam) + float(credit.sum()) + float(first.sum())
+        occ, dropped = self._occupancy(p, plan)
         # the prices of the drops taken are gains: the subgradient counts them back
         per_drop = np.where(p.drop > 1.0, r.shared, dropped)
         _spread(occ, r.drop_from_s.ravel(), r.end_s.ravel(), -per_drop.ravel())
         return total, self.room - occ
 
-    def _backward(self, p: _Prices):
-        """Per token, the two-state programme backwards over each session's turns: what a
-        token born at each turn is worth (`born`), what holding into the gap is worth (`m`),
-        whether a token that can hit takes the hit (`hit`) and for how long a held token is
-        held into the gap (`tau`)."""
+    def _backward(self, lam: np.ndarray, p: _Prices):
+        """Per session, the programme backwards over its turns. State j at turn k: the turn
+        hits `U_{j-1}` of the session's own tokens (j = 0: none), what was held after turn
+        j-1. Options: forgo the hit (or have none) and hold nothing or all of `U_k`, at the
+        cheapest window a drop of the shared prefix allows (FORGO, COLD); take the hit and
+        hold nothing, the part that hit, or all (TAKE, PART, ALL). Holding a part in between
+        is never better: the value is convex between those amounts. Returns each session's
+        value and, per turn, the option per state, the new tokens' windows and the holds."""
         r = self.r
-        born, worth = np.zeros(r.tokens.shape), np.zeros(r.tokens.shape)
-        tau = np.full(r.tokens.shape, -1)
-        hit = np.zeros(r.tokens.shape, dtype=bool)
-        a = np.ones(len(born))                     # what a hit at the next turn is worth
-        for col in range(born.shape[1] - 1, -1, -1):
-            gain = a[:, None] * self.cdf - p.hold[:, col]
-            best = gain.argmax(axis=1)
-            m = np.where(r.has_next[:, col], np.maximum(gain[np.arange(len(a)), best], 0), 0)
-            tau[:, col], worth[:, col] = best, m
-            born[:, col] = np.maximum(m - p.cold[:, col], 0.0)
-            take = 1.0 + np.maximum(m - p.window[:, col] - p.turn[:, col], 0.0)
-            hit[:, col] = take >= born[:, col]
-            a = np.maximum(take - born[:, col], 0.0)
-        return worth, hit, tau, born
+        n, turns = r.tokens.shape
+        u = r.tokens
+        later = np.zeros((n, turns + 1))            # value from the next turn on, per state
+        plan = [None] * turns
+        for k in range(turns - 1, -1, -1):
+            held = u[:, :k + 1]                      # holding U_i after turn k: next state i+1
+            base = later[:, :1]
+            gain = (later[:, 1:k + 2] - base) / np.maximum(held, 1.0)
+            gain = gain[..., None] * self.cdf - p.hold[:, k][:, None, :]
+            tau = gain.argmax(-1)
+            gap = held * np.maximum(np.take_along_axis(gain, tau[..., None], -1)[..., 0], 0.0)
+            gap *= r.has_next[:, k, None]
+            hit = np.concatenate([np.zeros((n, 1)), u[:, :k]], axis=1)     # per state
+            e, w = r.end_s[:, k, None], r.window_s[:, k, None]
+            new_w = np.minimum(w + hit / self.rate, (r.end_s - r.start_s)[:, k, None])
+            new_price = self._integral(lam, e) - self._integral(lam, e - new_w)
+            keep_hit = p.through[:, k, None] * hit
+            part = np.concatenate([np.zeros((n, 1)), gap[:, :k]], axis=1)  # holding U_{j-1}
+            options = np.stack(np.broadcast_arrays(
+                base, base + gap[:, k:k + 1] - p.cold[:, k, None] * u[:, k, None],
+                hit + base, hit + base + part - keep_hit,
+                hit + base + gap[:, k:k + 1] - keep_hit - (u[:, k, None] - hit) * new_price))
+            choice = options.argmax(0)
+            plan[k] = (choice, tau, new_w, hit)
+            now = np.take_along_axis(options, choice[None], 0)[0]
+            later = np.concatenate([now, np.zeros((n, turns - k))], axis=1)
+        return later[:, 0], plan
 
-    def _occupancy(self, p: _Prices, worth, hit, tau):
-        """Token-seconds per grid step the programme's policy holds, in expectation, and
-        per turn the shared tokens its drops take, per own token, summed over its tokens."""
+    def _occupancy(self, p: _Prices, plan):
+        """Token-seconds per grid step the programme's policy holds, in expectation, and per
+        turn the shared tokens its drops take."""
         r, occ = self.r, np.zeros(self.n)
+        n, turns = r.tokens.shape
         dropped = np.zeros(r.tokens.shape)
-        warm = np.zeros(len(r.tokens))             # tokens that can hit at this turn
-        for col in range(r.tokens.shape[1]):
-            m, taken = worth[:, col], warm * hit[:, col]
-            cold_held = (r.tokens[:, col] - taken) * (m - p.cold[:, col] > 0)
-            taken_held = taken * (m - p.window[:, col] - p.turn[:, col] > 0)
-            e, w = r.end_s[:, col], r.window_s[:, col]
-            _spread(occ, e - p.cold_w[:, col], e, cold_held)
-            _spread(occ, e - w, e, taken_held)
-            _spread(occ, r.start_s[:, col], e - w, taken_held)
-            dropped[:, col] = cold_held * p.cold_b[:, col] / np.maximum(r.tokens[:, col], 1.0)
-            held = cold_held + taken_held
-            self._gap(occ, e, held, tau[:, col])
-            warm = held * self.cdf[tau[:, col]]
+        prob = np.zeros((n, turns + 1))
+        prob[:, 0] = 1.0
+        for k in range(turns):
+            choice, tau, new_w, hit = plan[k]
+            pr, u_k = prob[:, :k + 1], r.tokens[:, k, None]
+            cold, part, whole = pr * (choice == COLD), pr * (choice == PART), pr * (choice == ALL)
+            e, start = r.end_s[:, k], r.start_s[:, k]
+            _spread(occ, e - p.cold_w[:, k], e, (cold.sum(1) * u_k[:, 0]))
+            _spread(occ, start, e, ((part + whole) * hit).sum(1))
+            rows = np.repeat(e, k + 1) - new_w.ravel()
+            _spread(occ, rows, np.repeat(e, k + 1), (whole * (u_k - hit)).ravel())
+            dropped[:, k] = cold.sum(1) * p.cold_b[:, k]
+            amount = np.zeros((n, k + 1))              # held into the gap, per amount U_i
+            amount[:, k] = (cold + whole).sum(1) * u_k[:, 0]
+            amount[:, :k] += part[:, 1:] * hit[:, 1:]
+            self._gap(occ, e, amount, tau)
+            back = self.cdf[tau]                       # P(the session is back in time)
+            nxt = np.zeros((n, turns + 1))
+            nxt[:, k + 1] = (cold + whole).sum(1) * back[:, k]
+            nxt[:, 1:k + 1] += part[:, 1:] * back[:, :k]
+            nxt[:, 0] = 1.0 - nxt[:, 1:].sum(1)
+            prob = nxt
         return occ, dropped
 
-    def _gap(self, occ: np.ndarray, end: np.ndarray, held: np.ndarray, tau: np.ndarray):
-        """Add the expected holds into the gaps (`held` tokens each, until `tau`)."""
-        on = np.arange(self.steps)[None, :] <= tau[:, None]
-        weight = held[:, None] * self.surv_end[None, :] * on * DT_S
-        first = np.floor(end / DT_S).astype(np.int64)
-        frac = (end / DT_S - first)[:, None]
-        idx = (first[:, None] + np.arange(self.steps)[None, :]).ravel()
-        occ += np.bincount(idx, (weight * (1 - frac)).ravel(), self.n)
-        occ += np.bincount(idx + 1, (weight * frac).ravel(), self.n + 1)[:self.n]
+    def _gap(self, occ: np.ndarray, end: np.ndarray, amount: np.ndarray, tau: np.ndarray):
+        """Add the expected holds into one turn's gaps: per session, `amount[:, i]` tokens
+        held into step `tau[:, i]` (or until the return), priced up to its start."""
+        n = len(end)
+        upto = np.zeros((n, self.steps + 1))
+        np.add.at(upto, (np.repeat(np.arange(n), amount.shape[1]), tau.ravel()), amount.ravel())
+        held = amount.sum(1)[:, None] - np.cumsum(upto, axis=1)[:, :-1]   # held in each step
+        start = end[:, None] + self.edges[None, :-1]
+        _spread(occ, start.ravel(), (end[:, None] + self.edges[None, 1:]).ravel(),
+                (held * self.surv_end[None, :]).ravel())
 
 
 def _spread(occ: np.ndarray, a: np.ndarray, b: np.ndarray, weight: np.ndarray) -> None:
@@ -251,8 +286,8 @@ def _bound(r: Returns, capacity: float, spec: SyntheticSpec) -> float:
     for k in range(ITERATIONS):
         value, grad = dual.value(lam)
         best = min(best, value)
-        lam = np.maximum(lam - (0.5 * scale / math.sqrt(k + 1)) * grad / max(
-            1e-12, np.abs(grad).max()), 0.0)
+        # geometric steps: measured to settle lower than 1/sqrt(k) ones in 300 iterations
+        lam = np.maximum(lam - scale * DECAY**k * grad / max(1e-12, np.abs(grad).max()), 0.0)
     return best
 
 

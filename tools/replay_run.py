@@ -10,8 +10,9 @@ tiered variant (dram + nvme + sharedfs) for `lru` and `agentic`. Returns plain d
     points or more, agentic closes at least half of that gap;
 (b) everywhere, agentic is at most `slack` points below the best classic policy;
 (c) tiered: the hit rate is within 1 point of the infinite cache.
-With `online_bound`, the synthetic rows also get the highest hit rate any online policy can
-reach (`tools.online_bound`): what (a) can ask of a policy that does not see the future.
+With `online_bound`, the synthetic rows also get an upper bound on the hit rate any online
+policy can reach (`tools.online_bound`): what (a) can ask of a policy that does not see the
+future.
 """
 
 from __future__ import annotations
