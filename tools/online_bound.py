@@ -13,11 +13,11 @@ every policy that knows the gap distribution and when sessions end.
   `G_k`); turn k+1 hits it if `G_k < tau`.
 - Holding before `e_k` costs too. A block hit at `t_k` and held at `e_k` was held all of
   `[t_k, e_k]` (a hit block evicted during its turn is not saved again). Any other block held
-  at `e_k` was saved after prefill, at the latest the prefill time of what the turn hit
-  before `e_k`. A policy may drop the shared prefix to save later: dropping `b` of its
-  tokens shortens that window by `b / rate` but makes the turn miss them and all its own
-  tokens, and as the prefix is back only once a request that missed it saves it, the drop
-  saves at most the price of `[the arrival before, e_k]` per token dropped.
+  at `e_k` was saved after prefill, at the latest the shared prefix's prefill time before
+  `e_k`. A policy may drop the shared prefix to save later: dropping `b` of its tokens
+  shortens that window by `b / rate` but makes the turn miss them and all its own tokens,
+  and as the prefix is back only once a request that missed it saves it, the drop saves at
+  most the price of `[the arrival before, e_k]` per token dropped.
 - The shared prefix is held from its first save to the last arrival, hit by every request.
 - At every instant what is held fits the capacity.
 
@@ -118,6 +118,9 @@ class _Prices:
 
     hold: np.ndarray    # (sessions, turns, steps): of holding a token into gap step j
     through: np.ndarray  # of [start, end]: a hit block held on through its turn
+    window: np.ndarray  # of [end - window, end]: a block saved this turn, held to its end
+    lean: np.ndarray    # ... and at least this much more per own token the turn hit:
+    lean_at: np.ndarray  # the cheapest step's price there, over the prefill rate
     drop: np.ndarray    # of [the arrival before, end]: a drop of the shared prefix up to now
     cold: np.ndarray    # per own token, the least holding all at the end costs, no hit taken:
     cold_b: np.ndarray  # ... with this many shared tokens dropped
@@ -164,16 +167,31 @@ class _Dual:
         # holding until anywhere in gap step j costs at least holding until its start
         steps = np.cumsum(np.diff(big, axis=-1) * self.surv_end, axis=-1)
         hold = np.concatenate([np.zeros((*steps.shape[:-1], 1)), steps[..., :-1]], axis=-1)
-        return _Prices(hold,
-                       end_price - at(r.start_s), drop,
+        lean, lean_at = self._lean(lam)
+        return _Prices(hold, end_price - at(r.start_s), end_price - at(r.end_s - r.window_s),
+                       lean, lean_at, drop,
                        np.take_along_axis(costs, pick, -1)[..., 0],
                        np.take_along_axis(b[..., :-1], pick, -1)[..., 0],
                        np.take_along_axis(w[..., 1:], pick, -1)[..., 0])
 
+    def _lean(self, lam: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A turn that hit `H` own tokens saves its new blocks `H / rate` earlier still, over
+        prices at least the least one in `[end - window - most H / rate, end - window]`:
+        linear in `H` (so values stay convex in it), per turn, and where that price is."""
+        r = self.r
+        most = np.concatenate([np.zeros((len(r.tokens), 1)), r.tokens[:, :-1]], axis=1)
+        hi = r.end_s - r.window_s
+        lo = np.maximum(hi - most / self.rate, r.start_s)
+        ka, kb = np.floor(lo / DT_S).astype(np.int64), np.floor(hi / DT_S).astype(np.int64)
+        idx = ka[..., None] + np.arange(int((kb - ka).max()) + 1)
+        prices = np.where(idx <= kb[..., None], lam[np.minimum(idx, len(lam) - 1)], np.inf)
+        at = prices.argmin(-1)
+        return np.take_along_axis(prices, at[..., None], -1)[..., 0] / self.rate, ka + at
+
     def value(self, lam: np.ndarray) -> tuple[float, np.ndarray]:
         """The bound at `lam` and a subgradient of it."""
         r, p = self.r, self._prices(lam)
-        first, plan = self._backward(lam, p)
+        first, plan = self._backward(p)
         credit = r.shared * np.maximum(1.0, p.drop)
         total = float(self.room @ lam) + float(credit.sum()) + float(first.sum())
         occ, dropped = self._occupancy(p, plan)
@@ -182,41 +200,39 @@ class _Dual:
         _spread(occ, r.drop_from_s.ravel(), r.end_s.ravel(), -per_drop.ravel())
         return total, self.room - occ
 
-    def _backward(self, lam: np.ndarray, p: _Prices):
+    def _backward(self, p: _Prices):
         """Per session, the programme backwards over its turns. State j at turn k: the turn
-        hits `U_{j-1}` of the session's own tokens (j = 0: none), what was held after turn
-        j-1. Options: forgo the hit (or have none) and hold nothing or all of `U_k`, at the
-        cheapest window a drop of the shared prefix allows (FORGO, COLD); take the hit and
-        hold nothing, the part that hit, or all (TAKE, PART, ALL). Holding a part in between
-        is never better: the value is convex between those amounts. Returns each session's
-        value and, per turn, the option per state, the new tokens' windows and the holds."""
-        r = self.r
-        n, turns = r.tokens.shape
-        u = r.tokens
+        hits `U_{j-1}` own tokens (j = 0: none), the head held after turn j-1. Options: forgo
+        the hit (or have none), then hold nothing or all of `U_k` at the cheapest window a
+        drop of the shared prefix allows (FORGO, COLD); take the hit, then hold nothing, the
+        part that hit, or all (TAKE, PART, ALL). A block saved this turn is charged the
+        window of a turn that hit only the shared prefix, so every value is convex in the
+        amount held: holding amounts in between, or heads of several sizes into a gap, is
+        never better. Returns each session's value and, per turn, the option taken in each
+        state, the hold into the gap per amount `U_i` (next state i + 1) and the hits."""
+        r, u = self.r, self.r.tokens
+        n, turns = u.shape
         later = np.zeros((n, turns + 1))            # value from the next turn on, per state
         plan = [None] * turns
         for k in range(turns - 1, -1, -1):
-            held = u[:, :k + 1]                      # holding U_i after turn k: next state i+1
-            base = later[:, :1]
+            held, base = u[:, :k + 1], later[:, :1]
             gain = (later[:, 1:k + 2] - base) / np.maximum(held, 1.0)
             gain = gain[..., None] * self.cdf - p.hold[:, k][:, None, :]
             tau = gain.argmax(-1)
             gap = held * np.maximum(np.take_along_axis(gain, tau[..., None], -1)[..., 0], 0.0)
             gap *= r.has_next[:, k, None]
             hit = np.concatenate([np.zeros((n, 1)), u[:, :k]], axis=1)     # per state
-            e, w = r.end_s[:, k, None], r.window_s[:, k, None]
-            new_w = np.minimum(w + hit / self.rate, (r.end_s - r.start_s)[:, k, None])
-            new_price = self._integral(lam, e) - self._integral(lam, e - new_w)
-            keep_hit = p.through[:, k, None] * hit
             part = np.concatenate([np.zeros((n, 1)), gap[:, :k]], axis=1)  # holding U_{j-1}
+            all_, u_k = gap[:, k:k + 1], u[:, k, None]
+            taken = hit * (1.0 - p.through[:, k, None])
             options = np.stack(np.broadcast_arrays(
-                base, base + gap[:, k:k + 1] - p.cold[:, k, None] * u[:, k, None],
-                hit + base, hit + base + part - keep_hit,
-                hit + base + gap[:, k:k + 1] - keep_hit - (u[:, k, None] - hit) * new_price))
+                base, base + all_ - p.cold[:, k, None] * u_k, base + hit, base + taken + part,
+                base + taken + all_ - (u_k - hit) * (p.window[:, k, None]
+                                                     + p.lean[:, k, None] * hit)))
             choice = options.argmax(0)
-            plan[k] = (choice, tau, new_w, hit)
-            now = np.take_along_axis(options, choice[None], 0)[0]
-            later = np.concatenate([now, np.zeros((n, turns - k))], axis=1)
+            plan[k] = (choice, tau, hit)
+            later[:, :k + 1] = np.take_along_axis(options, choice[None], 0)[0]
+            later[:, k + 1:] = 0.0
         return later[:, 0], plan
 
     def _occupancy(self, p: _Prices, plan):
@@ -228,14 +244,14 @@ class _Dual:
         prob = np.zeros((n, turns + 1))
         prob[:, 0] = 1.0
         for k in range(turns):
-            choice, tau, new_w, hit = plan[k]
+            choice, tau, hit = plan[k]
             pr, u_k = prob[:, :k + 1], r.tokens[:, k, None]
             cold, part, whole = pr * (choice == COLD), pr * (choice == PART), pr * (choice == ALL)
             e, start = r.end_s[:, k], r.start_s[:, k]
             _spread(occ, e - p.cold_w[:, k], e, (cold.sum(1) * u_k[:, 0]))
             _spread(occ, start, e, ((part + whole) * hit).sum(1))
-            rows = np.repeat(e, k + 1) - new_w.ravel()
-            _spread(occ, rows, np.repeat(e, k + 1), (whole * (u_k - hit)).ravel())
+            _spread(occ, e - r.window_s[:, k], e, (whole * (u_k - hit)).sum(1))
+            np.add.at(occ, p.lean_at[:, k], (whole * (u_k - hit) * hit).sum(1) / self.rate)
             dropped[:, k] = cold.sum(1) * p.cold_b[:, k]
             amount = np.zeros((n, k + 1))              # held into the gap, per amount U_i
             amount[:, k] = (cold + whole).sum(1) * u_k[:, 0]
