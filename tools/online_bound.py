@@ -13,19 +13,22 @@ every policy that knows the gap distribution and when sessions end.
   `G_k`); turn k+1 hits it if `G_k < tau`.
 - Holding before `e_k` costs too. A block hit at `t_k` and held at `e_k` was held all of
   `[t_k, e_k]` (a hit block evicted during its turn is not saved again). Any other block held
-  at `e_k` was saved after prefill, at the latest the shared prefix's prefill time before
-  `e_k`. A policy may drop the shared prefix to save later: dropping `b` of its tokens
+  at `e_k` was saved after prefill: at the latest the prefill time of the shared prefix and
+  of the own tokens the turn hit before `e_k` (the latter priced at the least price in it,
+  so that values stay linear in what was hit). A policy may drop the shared prefix to save later: dropping `b` of its tokens
   shortens that window by `b / rate` but makes the turn miss them and all its own tokens,
   and as the prefix is back only once a request that missed it saves it, the drop saves at
   most the price of `[the arrival before, e_k]` per token dropped.
-- The shared prefix is held from its first save to the last arrival, hit by every request.
+- Otherwise the shared prefix is held from its first save to the last arrival, and every
+  request hits it.
 - At every instant what is held fits the capacity.
 
 Lagrangian duality on the capacity constraint gives, for any price path `lam(t) >= 0`, an
 upper bound: the price of the room left beside the shared prefix, plus the shared hits (each
 at least 1, or its drop's price), plus per session the value of a dynamic programme over its
-turns (`_Dual._backward`). Every `lam` gives a valid bound (in expectation over the gaps);
-projected subgradient descent on `lam` tightens it, and the lowest value seen is kept.
+turns (`_Dual._backward`). Every `lam` gives a valid bound, in expectation over the gaps
+with each turn's times as the trace has them; projected subgradient descent on `lam`
+tightens it, and the lowest value seen is kept.
 Discretised conservatively: prices are integrated exactly over the step grid; a hold ending
 anywhere in a gap step gets the step's end's chance of a hit and costs what holding to its
 start does, with the survival of each step before taken at its end; a drop costs what the
@@ -293,8 +296,8 @@ def _spread(occ: np.ndarray, a: np.ndarray, b: np.ndarray, weight: np.ndarray) -
 
 
 def _bound(r: Returns, capacity: float, spec: SyntheticSpec) -> float:
-    """Max hits (shared and own tokens) of any online policy with `capacity` tokens, which
-    hold the whole shared prefix."""
+    """Max expected hits (shared and own tokens) of any online policy with `capacity` tokens:
+    the lowest dual value seen along the subgradient steps."""
     dual = _Dual(r, capacity, *spec.gap_lognormal())
     best = r.shared_hits + float(r.tokens[r.has_next].sum())   # lam = 0: the infinite cache
     scale = best / (capacity * dual.n * DT_S)                  # makes both terms even

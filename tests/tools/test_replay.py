@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtier.tools.cli import app
-from kvtier.tools.online_bound import DT_S, _bound, _spread, online_bound, returns_of
+from kvtier.tools.online_bound import (DT_S, _bound, _Dual, _spread, online_bound,
+                                       returns_of)
 from kvtier.tools.segments import compile_workload
 from kvtier.tools.sim_tiered import TieredReplay
 from kvtier.tools.simulate import Replay, SimParams, total_input_tokens
@@ -66,6 +67,19 @@ def test_the_bound_counts_what_holding_through_a_turn_costs(small):
     cap = 0.1 * c.footprint_blocks * c.work.block_tokens
     free = replace(r, start_s=r.end_s, window_s=np.zeros_like(r.window_s))  # turns cost nothing
     assert _bound(r, cap, SMALL) < _bound(free, cap, SMALL) - 0.01 * total
+
+
+def test_the_subgradient_is_the_bounds_slope_along_any_direction(small):
+    c, _, _ = small
+    dual = _Dual(returns_of(c.work, SMALL.prefill_tokens_per_s),
+                 0.1 * c.footprint_blocks * c.work.block_tokens, *SMALL.gap_lognormal())
+    rng = np.random.default_rng(0)
+    lam = rng.uniform(0.05, 0.3, dual.n)
+    value, grad = dual.value(lam)
+    for _ in range(3):  # piecewise linear: exact away from kinks, and a tiny step meets none
+        way = rng.normal(size=dual.n)
+        moved, _ = dual.value(lam + 1e-5 * way)
+        assert (moved - value) / 1e-5 == pytest.approx(grad @ way, rel=1e-6)
 
 
 def test_spread_puts_each_interval_on_the_steps_it_covers():
