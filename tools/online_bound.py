@@ -148,12 +148,12 @@ class _Dual:
         self.room = np.maximum(capacity - kept * r.shared_tokens, 0.0) * DT_S   # per step
         self.gap_points = r.end_s[..., None] + edges       # (sessions, turns, steps + 1)
 
-    def _integral(self, lam: np.ndarray, x: np.ndarray) -> np.ndarray:
-        cum = np.concatenate([[0.0], np.cumsum(lam) * DT_S])
-        return np.interp(x / DT_S, np.arange(len(cum)), cum)
-
     def _prices(self, lam: np.ndarray) -> _Prices:
-        r, at = self.r, lambda x: self._integral(lam, x)  # noqa: E731
+        r, cum = self.r, np.concatenate([[0.0], np.cumsum(lam) * DT_S])
+
+        def at(x):  # the price from 0 to x: exact for a price constant over each step
+            return np.interp(x / DT_S, np.arange(len(cum)), cum)
+
         end_price = at(r.end_s)
         drop = end_price - at(r.drop_from_s)
         # Dropping b of the turn's shared tokens (so that it saves later, as a miss does)
@@ -194,9 +194,9 @@ class _Dual:
     def value(self, lam: np.ndarray) -> tuple[float, np.ndarray]:
         """The bound at `lam` and a subgradient of it."""
         r, p = self.r, self._prices(lam)
-        first, plan = self._backward(p)
+        sessions, plan = self._backward(p)
         credit = r.shared * np.maximum(1.0, p.drop)
-        total = float(self.room @ lam) + float(credit.sum()) + float(first.sum())
+        total = float(self.room @ lam) + float(credit.sum()) + float(sessions.sum())
         occ, dropped = self._occupancy(p, plan)
         # the prices of the drops taken are gains: the subgradient counts them back
         per_drop = np.where(p.drop > 1.0, r.shared, dropped)
