@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from rich.table import Table
 
 from kvtier.store.errors import KVTierError
-from kvtier.tools.replay_run import BOUND, CLASSIC, RunSpec, run
+from kvtier.tools.replay_run import BOUND, CLASSIC, ORACLE, RunSpec, run
 from kvtier.tools.simulate import SimParams
 from kvtier.tools.synthetic import SyntheticSpec
 
@@ -41,6 +41,16 @@ def _floats(text: str, what: str, n: int | None = None) -> tuple[float, ...]:
         want = f"{n} " if n else ""
         raise ReplayError(f"{what}: expected {want}positive comma-separated numbers, "
                           f"got {text!r}")
+    return vals
+
+
+def _sigmas(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        vals = (-1.0,)
+    if any(not v >= 0 for v in vals):
+        raise ReplayError(f"--gap-oracle: expected comma-separated sigmas >= 0, got {text!r}")
     return vals
 
 
@@ -97,6 +107,9 @@ def replay(
     online_bound: bool = typer.Option(False, "--online-bound", help="simulate: add an upper "
                                       "bound on the hit rate any online policy can reach on "
                                       "synthetic (about 80 s per capacity)"),
+    gap_oracle: str = typer.Option("", "--gap-oracle", help="simulate: add agentic told each "
+                                   "turn's true next gap, with a log-normal error of each of "
+                                   "these sigmas (e.g. 0,0.5,1; 0: exact), on synthetic and weka"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     instances: str = typer.Option("4", help="engines: instance counts (a list sweeps, with "
                                   "--sessions per instance)"),
@@ -176,6 +189,7 @@ def replay(
         traces=traces, synthetic=SyntheticSpec(sessions=sessions, live=live or sessions,
                                                seed=seed, prefill_tokens_per_s=prefill_tps),
         weka_live=weka_live, seed=seed, jobs=jobs, online_bound=online_bound,
+        gap_oracle=_sigmas(gap_oracle),
         sim=SimParams(bytes_per_token=bytes_per_token, prefill_tokens_per_s=prefill_tps))
     console = Console(width=max(Console().width, 110))  # tables stay readable in logs
     with Progress("[progress.description]{task.description}", BarColumn(),
@@ -217,8 +231,9 @@ def render(report: dict, console: Console) -> None:
                   f"{w['footprint_tokens']:,} tokens; token hit rate %, infinite cache "
                   f"{w['infinite']:.1f}")
         bound = any(BOUND in row for row in w["rows"])
-        for col in ["capacity", *pols, "belady", *(["online ≤"] if bound else []), "gap",
-                    "closed", "(a)", "(b)"]:
+        oracles = sorted({k for row in w["rows"] for k in row if k.startswith(ORACLE)})
+        for col in ["capacity", *pols, *oracles, "belady", *(["online ≤"] if bound else []),
+                    "gap", "closed", "(a)", "(b)"]:
             t.add_column(col, justify="right")
         for row in w["rows"]:
             best = row.get("best_classic")
@@ -228,6 +243,7 @@ def render(report: dict, console: Console) -> None:
                 bold = p in CLASSIC and best is not None and v == best
                 cells.append(f"[bold]{v:.1f}[/]" if bold else f"{v:.1f}")
             closed = row.get("closed")
+            cells += [f"{row[k]:.1f}" if k in row else "" for k in oracles]
             cells.append(f"{row['belady']:.1f}")
             if bound:
                 cells.append(f"{row[BOUND]:.1f}" if BOUND in row else "")

@@ -12,7 +12,8 @@ tiered variant (dram + nvme + sharedfs) for `lru` and `agentic`. Returns plain d
 (c) tiered: the hit rate is within 1 point of the infinite cache.
 With `online_bound`, the synthetic rows also get an upper bound on the hit rate any online
 policy can reach (`tools.online_bound`): what (a) can ask of a policy that does not see the
-future.
+future. With `gap_oracle`, the synthetic and weka rows also get agentic told each turn's
+true next gap with each given error (`tools.sim_oracle`): what better gap predictions buy.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 
 from kvtier.store.config import kvtier_home
 from kvtier.tools.segments import Compiled, compile_workload
+from kvtier.tools.sim_oracle import GapOracleReplay
 from kvtier.tools.sim_tiered import TieredReplay
 from kvtier.tools.online_bound import online_bound
 from kvtier.tools.simulate import Replay, SimParams, total_input_tokens
@@ -39,6 +41,7 @@ from kvtier.tools.traces import Workload, load_mooncake, load_weka
 
 CLASSIC = ("lru", "s3fifo", "arc")
 BOUND = "online_bound"  # a job computing the online bound, not a policy
+ORACLE = "agentic, gap ±"  # + the error's sigma: agentic told the true gaps (`sim_oracle`)
 GAP_TARGETS = ("synthetic", "weka")  # where target (a) applies
 
 
@@ -59,6 +62,7 @@ class RunSpec:
     gap_min: float = 5.0
     slack: float = 0.5
     online_bound: bool = False   # synthetic only: its gap distribution is known
+    gap_oracle: tuple[float, ...] = ()   # agentic told the true gaps with these errors
 
 
 def load(name: str, spec: RunSpec) -> Compiled:
@@ -128,6 +132,9 @@ def _job(args) -> tuple:
         rate = online_bound(c.work, _SYNTHETIC[0], [frac * fp_tokens],
                             params.prefill_tokens_per_s)[0]
         return name, policy, frac, 100.0 * rate, time.perf_counter() - t0, {}
+    if policy.startswith(ORACLE):
+        rp = GapOracleReplay(c, "agentic", frac * fp, params, float(policy[len(ORACLE):]))
+        return name, policy, frac, 100.0 * rp.run() / total, time.perf_counter() - t0, {}
     if tiered:
         rp = TieredReplay(c, policy, tuple(f * fp for f in tiered), params)
         hits = rp.run()
@@ -153,6 +160,8 @@ def run(spec: RunSpec, progress=None) -> dict:
                 jobs.append((name, pol, frac, None, spec.sim))
             if spec.online_bound and name == "synthetic":
                 jobs.append((name, BOUND, frac, None, spec.sim))
+            if name in GAP_TARGETS:
+                jobs += [(name, f"{ORACLE}{s:g}", frac, None, spec.sim) for s in spec.gap_oracle]
         if spec.tiered:
             jobs += [(name, pol, None, spec.tiered, spec.sim) for pol in ("lru", "agentic")]
     jobs.sort(key=lambda j: (j[0] != "weka", j[3] is None))  # long ones first

@@ -14,6 +14,7 @@ from kvtier.tools.cli import app
 from kvtier.tools.online_bound import (DT_S, _bound, _Dual, _spread, online_bound,
                                        returns_of)
 from kvtier.tools.segments import compile_workload
+from kvtier.tools.sim_oracle import GapOracleReplay
 from kvtier.tools.sim_tiered import TieredReplay
 from kvtier.tools.simulate import Replay, SimParams, total_input_tokens
 from kvtier.tools.synthetic import SyntheticSpec, synthetic
@@ -91,6 +92,14 @@ def test_spread_puts_each_interval_on_the_steps_it_covers():
     assert occ == pytest.approx(want)
 
 
+def test_told_the_true_gaps_agentic_gains_and_a_worse_hint_gains_less(small):
+    c, fp, total = small
+    told = {s: 100.0 * GapOracleReplay(c, "agentic", 0.15 * fp, sigma=s).run() / total
+            for s in (0.0, 2.0)}
+    agentic = rate(c, "agentic", 0.15 * fp, total)
+    assert told[0.0] > agentic + 3.0 and told[0.0] > told[2.0]
+
+
 def test_tiny_capacity_still_respects_it_and_infinite_is_the_ideal(small):
     c, fp, total = small
     rp = Replay(c, "agentic", 0.001 * fp)
@@ -116,14 +125,15 @@ def test_cli_runs_a_small_simulation_and_writes_json(tmp_path):
     res = CliRunner().invoke(app, [
         "replay", "--simulate", "-w", "synthetic", "--sessions", "8", "--capacities",
         "0.05,0.2", "--policies", "lru,agentic", "--tiered", "0.05,0.2,1", "--jobs", "1",
-        "--online-bound", "--json", str(out)], catch_exceptions=False)
+        "--online-bound", "--gap-oracle", "0", "--json", str(out)], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
     rows = report["workloads"]["synthetic"]["rows"]
     assert [r["capacity"] for r in rows] == [0.05, 0.2]
     assert all({"lru", "agentic", "belady", "best_classic", "target_b"} <= set(r) for r in rows)
     assert all(r["agentic"] <= r["online_bound"] <= 100 for r in rows)
-    assert "online ≤" in res.output
+    assert all(0 < r["agentic, gap ±0"] <= 100 for r in rows)
+    assert "online ≤" in res.output and "agentic, gap ±0" in res.output
     assert set(report["workloads"]["synthetic"]["tiered"]) == {"lru", "agentic"}
 
 
@@ -137,6 +147,7 @@ def test_cli_runs_a_small_simulation_and_writes_json(tmp_path):
     (["replay", "--simulate", "-w", "nope"], "unknown workload"),
     (["replay", "--simulate", "--capacities", "0.1,x"], "--capacities"),
     (["replay", "--simulate", "--policies", "lru,belady"], "belady"),
+    (["replay", "--simulate", "--gap-oracle", "0,-1"], "--gap-oracle"),
 ])
 def test_cli_errors_are_one_clear_line(args, msg):
     from kvtier.store.errors import KVTierError
