@@ -109,7 +109,8 @@ def replay(
                                       "synthetic (about 80 s per capacity)"),
     gap_oracle: str = typer.Option("", "--gap-oracle", help="simulate: add agentic told each "
                                    "turn's true next gap, with a log-normal error of each of "
-                                   "these sigmas (e.g. 0,0.5,1; 0: exact), on synthetic and weka"),
+                                   "these sigmas (e.g. 0,0.5,1; 0: exact), on synthetic and "
+                                   "weka: columns 'told ±SIGMA'"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     instances: str = typer.Option("4", help="engines: instance counts (a list sweeps, with "
                                   "--sessions per instance)"),
@@ -191,7 +192,7 @@ def replay(
         weka_live=weka_live, seed=seed, jobs=jobs, online_bound=online_bound,
         gap_oracle=_sigmas(gap_oracle),
         sim=SimParams(bytes_per_token=bytes_per_token, prefill_tokens_per_s=prefill_tps))
-    console = Console(width=max(Console().width, 110))  # tables stay readable in logs
+    console = Console(width=max(Console().width, 130))  # tables stay readable in logs
     with Progress("[progress.description]{task.description}", BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), console=console,
                   transient=True) as bar:

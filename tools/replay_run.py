@@ -41,7 +41,7 @@ from kvtier.tools.traces import Workload, load_mooncake, load_weka
 
 CLASSIC = ("lru", "s3fifo", "arc")
 BOUND = "online_bound"  # a job computing the online bound, not a policy
-ORACLE = "agentic, gap ±"  # + the error's sigma: agentic told the true gaps (`sim_oracle`)
+ORACLE = "told ±"  # + the error's sigma: agentic told the true gaps (`sim_oracle`)
 GAP_TARGETS = ("synthetic", "weka")  # where target (a) applies
 
 

@@ -132,8 +132,8 @@ def test_cli_runs_a_small_simulation_and_writes_json(tmp_path):
     assert [r["capacity"] for r in rows] == [0.05, 0.2]
     assert all({"lru", "agentic", "belady", "best_classic", "target_b"} <= set(r) for r in rows)
     assert all(r["agentic"] <= r["online_bound"] <= 100 for r in rows)
-    assert all(0 < r["agentic, gap ±0"] <= 100 for r in rows)
-    assert "online ≤" in res.output and "agentic, gap ±0" in res.output
+    assert all(0 < r["told ±0"] <= 100 for r in rows)
+    assert "online ≤" in res.output and "told ±0" in res.output
     assert set(report["workloads"]["synthetic"]["tiered"]) == {"lru", "agentic"}
 
 
