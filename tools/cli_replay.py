@@ -32,25 +32,18 @@ class ReplayError(KVTierError):
     """A replay option is invalid or the mode is not available."""
 
 
-def _floats(text: str, what: str, n: int | None = None) -> tuple[float, ...]:
+def _floats(text: str, what: str, n: int | None = None,
+            zero_ok: bool = False) -> tuple[float, ...]:
     try:
         vals = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise ReplayError(f"{what}: expected comma-separated numbers, got {text!r}") from None
-    if not vals or any(v <= 0 for v in vals) or (n is not None and len(vals) != n):
+    low_ok = (lambda v: v >= 0) if zero_ok else (lambda v: v > 0)
+    if not vals or not all(map(low_ok, vals)) or (n is not None and len(vals) != n):
         want = f"{n} " if n else ""
-        raise ReplayError(f"{what}: expected {want}positive comma-separated numbers, "
+        sign = "non-negative" if zero_ok else "positive"
+        raise ReplayError(f"{what}: expected {want}{sign} comma-separated numbers, "
                           f"got {text!r}")
-    return vals
-
-
-def _sigmas(text: str) -> tuple[float, ...]:
-    try:
-        vals = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        vals = (-1.0,)
-    if any(not v >= 0 for v in vals):
-        raise ReplayError(f"--gap-oracle: expected comma-separated sigmas >= 0, got {text!r}")
     return vals
 
 
@@ -190,7 +183,7 @@ def replay(
         traces=traces, synthetic=SyntheticSpec(sessions=sessions, live=live or sessions,
                                                seed=seed, prefill_tokens_per_s=prefill_tps),
         weka_live=weka_live, seed=seed, jobs=jobs, online_bound=online_bound,
-        gap_oracle=_sigmas(gap_oracle),
+        gap_oracle=_floats(gap_oracle, "--gap-oracle", zero_ok=True) if gap_oracle else (),
         sim=SimParams(bytes_per_token=bytes_per_token, prefill_tokens_per_s=prefill_tps))
     console = Console(width=max(Console().width, 130))  # tables stay readable in logs
     with Progress("[progress.description]{task.description}", BarColumn(),
@@ -232,7 +225,8 @@ def render(report: dict, console: Console) -> None:
                   f"{w['footprint_tokens']:,} tokens; token hit rate %, infinite cache "
                   f"{w['infinite']:.1f}")
         bound = any(BOUND in row for row in w["rows"])
-        oracles = sorted({k for row in w["rows"] for k in row if k.startswith(ORACLE)})
+        oracles = sorted({k for row in w["rows"] for k in row if k.startswith(ORACLE)},
+                         key=lambda k: float(k[len(ORACLE):]))
         for col in ["capacity", *pols, *oracles, "belady", *(["online ≤"] if bound else []),
                     "gap", "closed", "(a)", "(b)"]:
             t.add_column(col, justify="right")
