@@ -31,11 +31,7 @@ class GapOracleReplay(Replay):
         self.next_arrival = c.next_same.tolist()
         self.error = np.exp(sigma * np.random.default_rng(seed).standard_normal(len(c.work)))
 
-    def _event(self, t: float, kind: int, r: int, h: int, sid) -> None:
-        if kind == 0:
-            self._save(t, r, h, sid)
-            return
+    def _gap_hint(self, t: float, r: int) -> float:
         gap = self.next_arrival[r] - t
         hint = gap * self.error[r] if math.isfinite(gap) else 1e9  # never back: far away
-        self.tracker.end_turn(sid, t, self.c.work.gap_names[self.c.work.gap_class[r]],
-                              expected_gap_s=max(hint, 1e-3))
+        return max(hint, 1e-3)

@@ -109,7 +109,13 @@ class Replay:
         if kind == 0:
             self._save(t, r, h, sid)
         else:
-            self.tracker.end_turn(sid, t, self.c.work.gap_names[self.c.work.gap_class[r]])
+            self.tracker.end_turn(sid, t, self.c.work.gap_names[self.c.work.gap_class[r]],
+                                  expected_gap_s=self._gap_hint(t, r))
+
+    def _gap_hint(self, t: float, r: int) -> float | None:
+        """The `expected_gap_s` hint at the end of request `r`'s turn: none (a connector
+        without hints); `tools.sim_oracle` gives the true gap."""
+        return None
 
     def _lookup(self, r: int, t: float) -> tuple[int, object]:
         lo, hi = self.off[r], self.off[r + 1]
