@@ -10,8 +10,9 @@ sessions share the block, in powers of two (`shared_min_sessions` and up; 1 belo
 2. then unit by unit, the unit with the lowest hit density first (`rank: density`, after
    LHD: the chance it is read within some holding time, over the bytes-seconds it would
    hold; `rank: next_use` instead evicts the furthest predicted read first). Both come from
-   the session tracker's prediction: the learned log-normal gap, the class of the wait ahead
-   (a tool call, a person), the learned chance the session ended; a shared unit is read
+   the session tracker's prediction: the learned gap (a mean and spread of log gaps per
+   session, the shape of their spread per class), the class of the wait ahead (a tool
+   call, a person), the learned chance the session ended; a shared unit is read
    when the first of its `level` sessions returns, so a system prompt shared by many
    outlives every session that uses it. A session whose turn is still being served cannot
    come back before it ends: the rest of the turn (estimated by its last turn's length) is
@@ -78,6 +79,7 @@ class AgenticPolicy(EvictionPolicy):
     def __init__(self, config, ctx):
         super().__init__(config, ctx)
         self.sessions = ctx.sessions
+        self.shapes = getattr(ctx.sessions, "shapes", None)   # learned gap shapes, if any
         self.size: dict[Key, int] = {}
         self.entry: dict[Key, tuple] = {}  # key -> (unit, position, seq)
         self.chains: dict[tuple, _Chain] = {}
@@ -183,9 +185,11 @@ class AgenticPolicy(EvictionPolicy):
         if len(idx):
             cols = sl.columns(sl.stamp[idx], idx)
             if self.config.rank == "density":
-                sl.key[idx] = hit_density(*cols, self._grid, sl.dead(sl.stamp[idx], idx))
+                sl.key[idx] = hit_density(*cols, self._grid, sl.dead(sl.stamp[idx], idx),
+                                          shapes=self.shapes)
             else:
-                sl.key[idx] = -time_to_read(*cols, self.config.next_use_quantile)
+                sl.key[idx] = -time_to_read(*cols, self.config.next_use_quantile,
+                                            shapes=self.shapes)
         return sl.key
 
     def on_insert(self, key: Key, size: int, now: float, meta: BlockMeta = NO_META) -> None:
@@ -259,8 +263,8 @@ class AgenticPolicy(EvictionPolicy):
         if not self.config.prefetch or not self.chains:
             return []
         sl, rate = self.slots, self.ctx.restore_bytes_per_s
-        wait = np.where(sl.used, time_to_read(*sl.columns(now), self.config.prefetch_quantile),
-                        np.inf)
+        wait = np.where(sl.used, time_to_read(*sl.columns(now), self.config.prefetch_quantile,
+                                              shapes=self.shapes), np.inf)
         due = []
         for i in np.flatnonzero(wait < np.inf):
             unit = sl.units[i]

@@ -74,7 +74,12 @@ class SessionView(Protocol):
 
     def snapshot(self, session: Hashable):
         """The inputs of the prediction (`store.session_predict.Snapshot`: last turn end,
-        log-normal mu and sigma, P(another turn), active), or None when unknown."""
+        mu and sigma of the log gap, P(another turn), active, the row of `shapes` its
+        standardized log gap follows), or None when unknown."""
+
+    @property
+    def shapes(self):
+        """The learned shapes of standardized log gaps (`store.gap_shape.ShapeTable`)."""
 
     def hot_until(self, session: Hashable, quantile: float) -> float:
         """Absolute time until which the session is hot (its turn end plus the `quantile` of

@@ -25,10 +25,14 @@ def _erfc(x: np.ndarray) -> np.ndarray:
     return np.where(x >= 0, r, 2.0 - r)
 
 
-def _survival(x: np.ndarray, mu: np.ndarray, sigma: np.ndarray) -> np.ndarray:
+def _survival(x: np.ndarray, mu: np.ndarray, sigma: np.ndarray, shape=None,
+              shapes=None) -> np.ndarray:
+    """P(gap > x) for gaps whose log is mu + sigma * z: z standard normal when `shapes` is
+    None, else of the `shapes` row `shape` (a `store.gap_shape.ShapeTable`)."""
     with np.errstate(divide="ignore"):
-        z = (np.log(np.maximum(x, 1e-12)) - mu) / (sigma * _SQRT2)
-    return np.where(x > 0, 0.5 * _erfc(z), 1.0)
+        z = (np.log(np.maximum(x, 1e-12)) - mu) / sigma
+    sf = 0.5 * _erfc(z / _SQRT2) if shapes is None else shapes.sf(z, shape)
+    return np.where(x > 0, sf, 1.0)
 
 
 _A = (-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
@@ -54,18 +58,18 @@ def _ndtri(p: np.ndarray) -> np.ndarray:
     return np.where(np.abs(p - 0.5) <= 0.47575, mid, tail)
 
 
-def hit_density(idle, mu, sigma, alive, level, grid_s: np.ndarray,
-                dead: np.ndarray | None = None) -> np.ndarray:
+def hit_density(idle, mu, sigma, alive, level, shape, grid_s: np.ndarray,
+                dead: np.ndarray | None = None, shapes=None) -> np.ndarray:
     """Least-hit-density index (after LHD, Beckmann et al., NSDI'18): the best, over holding
     limits T in `grid_s`, of P(read within T) / E[time held, at most T], given no read for
     `idle` seconds. A session that cannot be back for a while, or may never be back, scores
     low; a unit shared by `level` sessions is read when the first returns (survival^level).
     `dead`: seconds the unit must be held before its gap even starts (no read can come in
-    them), added to every holding time."""
+    them), added to every holding time. `shape`, `shapes`: as `_survival`'s."""
     idle, mu, sigma = idle[:, None], mu[:, None], sigma[:, None]
-    alive, level = alive[:, None], level[:, None]
+    alive, level, shape = alive[:, None], level[:, None], shape[:, None]
     pts = np.concatenate([[0.0], grid_s])[None, :]
-    surv = (alive * _survival(idle + pts, mu, sigma) + (1.0 - alive)) ** level
+    surv = (alive * _survival(idle + pts, mu, sigma, shape, shapes) + (1.0 - alive)) ** level
     surv = surv / np.maximum(surv[:, :1], 1e-300)          # condition on "not yet"
     p_read = 1.0 - surv[:, 1:]
     held = np.cumsum((surv[:, 1:] + surv[:, :-1]) * 0.5 * np.diff(pts), axis=1)
@@ -74,17 +78,19 @@ def hit_density(idle, mu, sigma, alive, level, grid_s: np.ndarray,
     return (p_read / np.maximum(held, 1e-12)).max(axis=1)
 
 
-def time_to_read(idle, mu, sigma, alive, level, quantile: float) -> np.ndarray:
+def time_to_read(idle, mu, sigma, alive, level, shape, quantile: float,
+                 shapes=None) -> np.ndarray:
     """Seconds from now until the next read has come with probability `quantile`, given
     none for `idle` seconds (as `SessionTracker.predicted_return`); a unit shared by `level`
     sessions is read when the first returns: the 1 - (1 - q)^(1/level) quantile of one.
-    inf when it may never come with that probability."""
+    inf when it may never come with that probability. `shape`, `shapes`: as `_survival`'s."""
     q = 1.0 - (1.0 - quantile) ** (1.0 / level)
-    s_now = _survival(idle, mu, sigma)
+    s_now = _survival(idle, mu, sigma, shape, shapes)
     alive = np.maximum(alive, 1e-12)
     target = s_now - q * (alive * s_now + 1.0 - alive) / alive
     ok = target > 0
-    z = _ndtri(1.0 - np.where(ok, target, 0.5))
+    target = np.where(ok, target, 0.5)
+    z = _ndtri(1.0 - target) if shapes is None else shapes.isf(target, shape)
     with np.errstate(over="ignore"):
         wait = np.exp(mu + sigma * z) - idle
     return np.where(ok, np.maximum(wait, 0.0), np.inf)
@@ -113,6 +119,7 @@ class SessionSlots:
             setattr(self, name, np.ones(0))
         self.used = np.zeros(0, dtype=bool)
         self.active = np.zeros(0, dtype=bool)
+        self.shape = np.zeros(0, dtype=np.int64)
 
     def add(self, unit: tuple) -> int:
         if not self.free:
@@ -122,6 +129,7 @@ class SessionSlots:
                 setattr(self, name, np.concatenate([getattr(self, name), np.ones(grow)]))
             self.used = np.concatenate([self.used, np.zeros(grow, dtype=bool)])
             self.active = np.concatenate([self.active, np.zeros(grow, dtype=bool)])
+            self.shape = np.concatenate([self.shape, np.zeros(grow, dtype=np.int64)])
             self.units += [None] * grow
             self.free = list(range(n + grow - 1, n - 1, -1))
         i = self.free.pop()
@@ -137,11 +145,11 @@ class SessionSlots:
     def refresh(self, i: int, snap) -> None:
         if snap is None:  # the tracker forgot the session: it ended
             self.since[i], self.mu[i], self.sigma[i], self.alive[i] = 0.0, 0.0, 1.0, 0.0
-            self.active[i], self.busy[i] = False, 0.0
+            self.active[i], self.busy[i], self.shape[i] = False, 0.0, 0
         else:
             self.since[i], self.mu[i], self.sigma[i] = snap.since, snap.mu, snap.sigma
             self.alive[i], self.active[i] = snap.alive, snap.active
-            self.busy[i] = snap.busy_s
+            self.busy[i], self.shape[i] = snap.busy_s, snap.shape
 
     def dead(self, now, idx=slice(None)) -> np.ndarray:
         """Seconds each unit of `idx` must still be held before its next read can come: the
@@ -151,8 +159,9 @@ class SessionSlots:
         return np.where(self.active[idx] & (self.level[idx] == 1), np.maximum(left, 0.0), 0.0)
 
     def columns(self, now, idx=slice(None)) -> tuple:
-        """(idle, mu, sigma, alive, level) of the slots `idx` at time(s) `now`: the inputs
-        of the indices. idle: seconds since each unit's gap clock started; 0 while its
+        """(idle, mu, sigma, alive, level, shape) of the slots `idx` at time(s) `now`: the
+        inputs of the indices. idle: seconds since each unit's gap clock started; 0 while its
         session is being served (its next turn follows this one)."""
         idle = np.where(self.active[idx], 0.0, now - self.since[idx])
-        return idle, self.mu[idx], self.sigma[idx], self.alive[idx], self.level[idx]
+        return (idle, self.mu[idx], self.sigma[idx], self.alive[idx], self.level[idx],
+                self.shape[idx])

@@ -1,8 +1,9 @@
 """What the session tracker predicts: the `SessionView` that policies read.
 
-For a session idle for `a` seconds since its last turn ended, with a log-normal gap (mu,
-sigma) and a probability `alive` that it has another turn at all (learned per gap class and
-turn count), the chance that its next turn arrives within `h` seconds is
+For a session idle for `a` seconds since its last turn ended, with a gap whose log is
+mu + sigma * z (z of its class's learned shape, `store.gap_shape`) and a probability `alive`
+that it has another turn at all (learned per gap class and turn count), the chance that its
+next turn arrives within `h` seconds is
 
     alive * (S(a) - S(a + h)) / (alive * S(a) + 1 - alive)        (S: gap survival)
 
@@ -20,7 +21,8 @@ from collections.abc import Hashable
 from typing import NamedTuple
 
 from kvtier.eviction.base import NO_META, BlockMeta
-from kvtier.store.session_stats import _turn_bucket, inv_survival, survival
+from kvtier.store.gap_shape import NORMAL
+from kvtier.store.session_stats import _turn_bucket
 
 
 class SessionInfo(NamedTuple):
@@ -42,11 +44,17 @@ class Snapshot(NamedTuple):
     alive: float    # P(the session has another turn)
     active: bool
     busy_s: float = 0.0  # how long its last turn was served
+    shape: int = NORMAL  # the `model.shapes` row of its standardized log gap
 
 
 class SessionPredictions:
     """Prediction methods of `SessionTracker` (which provides `_sessions`, `_params`,
-    `model`, `_refs`, `_owner`, `_pos`)."""
+    `_shape`, `model`, `_refs`, `_owner`, `_pos`)."""
+
+    @property
+    def shapes(self):
+        """The `store.gap_shape.ShapeTable` that `Snapshot.shape` indexes."""
+        return self.model.shapes
 
     def snapshot(self, session: Hashable) -> Snapshot | None:
         s = self._sessions.get(session)
@@ -55,7 +63,7 @@ class SessionPredictions:
         mu, sigma = self._params(s)
         since = s.last_end if s.last_end is not None and not s.active else s.last_arrival
         return Snapshot(since, mu, sigma, 1.0 - self.model.p_end(s.cls, s.turns), s.active,
-                        s.busy_s)
+                        s.busy_s, self._shape(s))
 
     def reuse_probability(self, session: Hashable, now: float, horizon_s: float) -> float:
         """P(next turn in (now, now + horizon_s]), given none so far."""
@@ -64,8 +72,9 @@ class SessionPredictions:
             return 0.0
         # an active session's next turn follows this one: its gap clock has not started
         idle = 0.0 if snap.active else now - snap.since
-        s_now = survival(idle, snap.mu, snap.sigma)
-        s_then = survival(idle + horizon_s, snap.mu, snap.sigma)
+        sf = self.model.survival
+        s_now = sf(idle, snap.mu, snap.sigma, snap.shape)
+        s_then = sf(idle + horizon_s, snap.mu, snap.sigma, snap.shape)
         den = snap.alive * s_now + (1.0 - snap.alive)
         return snap.alive * (s_now - s_then) / den if den > 0 else 0.0
 
@@ -76,13 +85,14 @@ class SessionPredictions:
         if snap is None:
             return math.inf
         since = now if snap.active else snap.since
-        s_now = survival(now - since, snap.mu, snap.sigma)
+        s_now = self.model.survival(now - since, snap.mu, snap.sigma, snap.shape)
         alive = max(snap.alive, 1e-12)
         # P(by t | none by now) = alive*(S(now)-S(t)) / (alive*S(now) + 1-alive) = quantile
         target = s_now - quantile * (alive * s_now + 1.0 - alive) / alive
         if target <= 0:
             return math.inf
-        return since + max(inv_survival(target, snap.mu, snap.sigma), now - since)
+        back = self.model.inv_survival(target, snap.mu, snap.sigma, snap.shape)
+        return since + max(back, now - since)
 
     def hot_until(self, session: Hashable, quantile: float) -> float:
         """Time until which the session counts as hot: its last turn end plus the `quantile`
@@ -114,12 +124,13 @@ class SessionPredictions:
             mu, sigma = self._params(s)
             since = s.last_end if s.last_end is not None else s.last_arrival
             p = self.model.p_end(s.cls, s.turns)
-            den = p + (1.0 - p) * survival(now - since, mu, sigma)
+            den = p + (1.0 - p) * self.model.survival(now - since, mu, sigma, self._shape(s))
             b = _turn_bucket(s.turns)
             dead[s.cls][b] += p / den if den > 0 else 1.0
             seen[s.cls][b] += 1
         self.model.set_censored(dead, seen)
         self.model.set_heterogeneity(own)
+        self.model.learn_shapes()
 
     # ---- metadata ---------------------------------------------------------------------------
     def meta(self, key: Hashable) -> BlockMeta:

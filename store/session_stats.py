@@ -1,14 +1,16 @@
 """Online statistics behind session predictions: inter-turn gaps and session ends.
 
-Gaps are modelled as log-normal (agentic gaps are: median 5 s, P99 80 s, and a long tail of
-human think time). Every gap is keyed by a *gap class*, what the caller knows when a turn
+A log gap is modelled as mu + sigma * z (agentic gaps: median 5 s, P99 80 s, and a long tail
+of human think time). Every gap is keyed by a *gap class*, what the caller knows when a turn
 ends (`"tool"` when the model stopped on a tool call, `"user"` when it waits for a person,
 `None` when unknown); each class keeps a global Welford estimate of (mean, variance) of log
 gaps, and each session its own, shrunk toward the global one by empirical Bayes: the
 weight of the class estimate is (within-session variance) / (between-session variance of
 the true means), re-estimated at every `reap` (sessions that all behave alike are pooled
-completely; sessions that differ keep their own estimates). A session may also never come back: the probability that it ends after
-its n-th turn is learned per class and turn count from sessions seen to end or continue.
+completely; sessions that differ keep their own estimates). The shape of z is learned per
+class too (`store.gap_shape`: standard normal, a log-normal gap, until gaps are seen). A
+session may also never come back: the probability that it ends after its n-th turn is
+learned per class and turn count from sessions seen to end or continue.
 
 Pure arithmetic on floats; no I/O, no clocks.
 """
@@ -19,6 +21,8 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 from statistics import NormalDist
+
+from kvtier.store.gap_shape import NORMAL, LogHistogram, ShapeTable
 
 _SQRT2 = math.sqrt(2.0)
 _STD = NormalDist()
@@ -34,6 +38,7 @@ class GapPrior:
     weight: float = 4.0         # pseudo-observations behind the prior (and the global model)
     p_end: float = 0.05         # prior probability that a session ends after any turn
     p_end_weight: float = 8.0
+    shape_weight: float = 32.0  # pseudo-observations of the normal shape behind a class's own
 
 
 class LogStats:
@@ -81,6 +86,9 @@ class GapModel:
         self.prior = prior
         self._mu0 = math.log(prior.median_s)
         self.gaps: dict[object, LogStats] = defaultdict(LogStats)
+        self.shapes = ShapeTable(prior.shape_weight)   # the standardized gap, per class
+        self._hist: dict[object, LogHistogram] = {}
+        self._shape: dict[object, int] = {}
         self.cont: dict[object, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.ends: dict[object, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.cont_total: dict[object, int] = defaultdict(int)
@@ -123,6 +131,39 @@ class GapModel:
     def observe_gap(self, cls: object, gap_s: float) -> None:
         self.gaps[cls].add(gap_s)
         self._gp.pop(cls, None)
+        hist = self._hist.get(cls)
+        if hist is None:
+            hist = self._hist[cls] = LogHistogram()
+            self._shape[cls] = self.shapes.add_row()
+        hist.add(math.log(max(gap_s, _MIN_GAP_S)))
+
+    def survival(self, x: float, mu: float, sigma: float, shape: int = NORMAL) -> float:
+        """P(gap > x) for a gap whose log is mu + sigma * z, z of the `shapes` row `shape`."""
+        if shape == NORMAL:
+            return survival(x, mu, sigma)
+        if x <= 0:
+            return 1.0
+        return self.shapes.sf1((math.log(x) - mu) / sigma, shape)
+
+    def inv_survival(self, p: float, mu: float, sigma: float, shape: int = NORMAL) -> float:
+        """The gap x with `survival(x, ...)` = p."""
+        if shape == NORMAL:
+            return inv_survival(p, mu, sigma)
+        if p >= 1.0:
+            return 0.0
+        if p <= 0.0:
+            return math.inf
+        return math.exp(mu + sigma * self.shapes.isf1(p, shape))
+
+    def shape(self, cls: object) -> int:
+        """The `shapes` row of the class's standardized log gap (`NORMAL` if none seen)."""
+        return self._shape.get(cls, NORMAL)
+
+    def learn_shapes(self) -> None:
+        """Re-read every class's shape from its histogram (at `reap`: a row costs a pass
+        over the grid, too much for every gap)."""
+        for cls, code in self._shape.items():
+            self.shapes.learn(code, self._hist[cls])
 
     def observe_continue(self, cls: object, turns: int) -> None:
         self.cont[cls][_turn_bucket(turns)] += 1

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvtier.store.session_predict import SessionInfo, SessionPredictions
-from kvtier.store.session_stats import GapModel, GapPrior, LogStats, inv_survival
+from kvtier.store.gap_shape import NORMAL
+from kvtier.store.session_stats import GapModel, GapPrior, LogStats
 
 
 @dataclass(frozen=True)
@@ -229,12 +230,19 @@ class SessionTracker(SessionPredictions):
             return math.log(s.hint_gap_s), self.config.hint_sigma
         return self.model.params(s.stats.get(s.cls), s.cls)
 
+    def _shape(self, s: _Session) -> int:
+        """The shape of its standardized log gap: its class's, normal around a hint."""
+        if s.hint_gap_s is not None and s.hint_gap_s > 0:
+            return NORMAL
+        return self.model.shape(s.cls)
+
     # ---- ends -------------------------------------------------------------------------------
     def end_after_s(self, session: Hashable) -> float:
         """Idle time after which the session counts as ended."""
         s = self._sessions[session]
         mu, sigma = self._params(s)
-        q = inv_survival(1.0 - self.config.end_after_quantile, mu, sigma)
+        q = self.model.inv_survival(1.0 - self.config.end_after_quantile, mu, sigma,
+                                    self._shape(s))
         return max(self.config.end_min_s, self.config.end_after_factor * q)
 
     def reap(self, now: float) -> tuple[list[Hashable], list[Hashable]]:

@@ -84,7 +84,7 @@ def test_dead_time_counts_only_for_a_sessions_own_blocks_in_service():
         sl.refresh(sl.add(unit), Snapshot(100.0, 1.0, 1.0, 1.0, active, busy_s=5.0))
     assert sl.dead(102.0).tolist()[:3] == [3.0, 0.0, 0.0]  # shared, idle: nothing to wait
     assert sl.dead(110.0).tolist()[:3] == [0.0, 0.0, 0.0]  # past its usual length
-    one = [np.array([v]) for v in (0.0, 1.0, 1.0, 1.0, 1.0)]
+    one = [np.array([v]) for v in (0.0, 1.0, 1.0, 1.0, 1.0, 0)]
     grid = np.geomspace(0.25, 3600, 40)
     assert hit_density(*one, grid, np.array([0.0])) == pytest.approx(hit_density(*one, grid))
     assert hit_density(*one, grid, np.array([4.0])) < hit_density(*one, grid)
