@@ -49,7 +49,7 @@ class Snapshot(NamedTuple):
 
 class SessionPredictions:
     """Prediction methods of `SessionTracker` (which provides `_sessions`, `_params`,
-    `_shape`, `model`, `_refs`, `_owner`, `_pos`)."""
+    `model`, `_refs`, `_owner`, `_pos`)."""
 
     @property
     def shapes(self):
@@ -60,10 +60,10 @@ class SessionPredictions:
         s = self._sessions.get(session)
         if s is None:
             return None
-        mu, sigma = self._params(s)
+        mu, sigma, shape = self._params(s)
         since = s.last_end if s.last_end is not None and not s.active else s.last_arrival
         return Snapshot(since, mu, sigma, 1.0 - self.model.p_end(s.cls, s.turns), s.active,
-                        s.busy_s, self._shape(s))
+                        s.busy_s, shape)
 
     def reuse_probability(self, session: Hashable, now: float, horizon_s: float) -> float:
         """P(next turn in (now, now + horizon_s]), given none so far."""
@@ -121,10 +121,10 @@ class SessionPredictions:
                 own[cls].append(st)
             if s.active:
                 continue
-            mu, sigma = self._params(s)
+            params = self._params(s)
             since = s.last_end if s.last_end is not None else s.last_arrival
             p = self.model.p_end(s.cls, s.turns)
-            den = p + (1.0 - p) * self.model.survival(now - since, mu, sigma, self._shape(s))
+            den = p + (1.0 - p) * self.model.survival(now - since, *params)
             b = _turn_bucket(s.turns)
             dead[s.cls][b] += p / den if den > 0 else 1.0
             seen[s.cls][b] += 1

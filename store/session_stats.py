@@ -89,6 +89,7 @@ class GapModel:
         self.shapes = ShapeTable(prior.shape_weight)   # the standardized gap, per class
         self._hist: dict[object, LogHistogram] = {}
         self._shape: dict[object, int] = {}
+        self._learned: dict[object, int] = {}          # gaps behind each row as learned
         self.cont: dict[object, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.ends: dict[object, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.cont_total: dict[object, int] = defaultdict(int)
@@ -163,7 +164,10 @@ class GapModel:
         """Re-read every class's shape from its histogram (at `reap`: a row costs a pass
         over the grid, too much for every gap)."""
         for cls, code in self._shape.items():
-            self.shapes.learn(code, self._hist[cls])
+            hist = self._hist[cls]
+            if self._learned.get(cls) != hist.n:
+                self.shapes.learn(code, hist)
+                self._learned[cls] = hist.n
 
     def observe_continue(self, cls: object, turns: int) -> None:
         self.cont[cls][_turn_bucket(turns)] += 1

@@ -225,24 +225,18 @@ class SessionTracker(SessionPredictions):
                 self._pos.pop(k, None)
                 self._reclaim.append(k)
 
-    def _params(self, s: _Session) -> tuple[float, float]:
+    def _params(self, s: _Session) -> tuple[float, float, int]:
+        """(mu, sigma, shape) of its log gap: the learned ones, or normal around a hint."""
         if s.hint_gap_s is not None and s.hint_gap_s > 0:
-            return math.log(s.hint_gap_s), self.config.hint_sigma
-        return self.model.params(s.stats.get(s.cls), s.cls)
-
-    def _shape(self, s: _Session) -> int:
-        """The shape of its standardized log gap: its class's, normal around a hint."""
-        if s.hint_gap_s is not None and s.hint_gap_s > 0:
-            return NORMAL
-        return self.model.shape(s.cls)
+            return math.log(s.hint_gap_s), self.config.hint_sigma, NORMAL
+        mu, sigma = self.model.params(s.stats.get(s.cls), s.cls)
+        return mu, sigma, self.model.shape(s.cls)
 
     # ---- ends -------------------------------------------------------------------------------
     def end_after_s(self, session: Hashable) -> float:
         """Idle time after which the session counts as ended."""
         s = self._sessions[session]
-        mu, sigma = self._params(s)
-        q = self.model.inv_survival(1.0 - self.config.end_after_quantile, mu, sigma,
-                                    self._shape(s))
+        q = self.model.inv_survival(1.0 - self.config.end_after_quantile, *self._params(s))
         return max(self.config.end_min_s, self.config.end_after_factor * q)
 
     def reap(self, now: float) -> tuple[list[Hashable], list[Hashable]]:
