@@ -44,6 +44,7 @@ class _ExtraConfig(BaseModel):
         default=64 << 20, alias="staging_buffer", ge=1 << 20)
     staging_buffers: int = Field(default=4, ge=1, le=256)
     load: Literal["auto", "async", "sync"] = "async"
+    tool_call_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ConnectorConfig:
     staging_buffer_bytes: int
     staging_buffers: int
     load: str = "async"
+    tool_call_token_ids: tuple[int, ...] = ()   # an output holding one ended on a tool call
 
 
 def parse_extra_config(extra: Any) -> ConnectorConfig:
@@ -73,7 +75,7 @@ def parse_extra_config(extra: Any) -> ConnectorConfig:
     else:
         policy = load_policy(_policy_file(cfg.kvtier_config))
     return ConnectorConfig(policy, cfg.node_id, cfg.staging_buffer_bytes, cfg.staging_buffers,
-                           cfg.load)
+                           cfg.load, cfg.tool_call_token_ids)
 
 
 def _policy_file(path: Path | None) -> Path | None:

@@ -57,6 +57,7 @@ class StoreEvent:
     held: int = 0
     session_id: str | None = None
     expected_gap_s: float | None = None
+    gap_class: str | None = None   # `finish`: what the turn's end waits for
 
 
 @dataclass

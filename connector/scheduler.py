@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -40,8 +40,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.connector import storeref
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob, StoreEvent
-from kvtier.connector.naming import (kv_shape, make_namespace, request_salt, session_hint,
-                                     token_keys)
+from kvtier.connector.naming import (gap_class, kv_shape, make_namespace, request_salt,
+                                     session_hint, token_keys)
 from kvtier.connector.stats import KVTierStats
 from kvtier.store.errors import KVTierError
 from kvtier.store.placement import PIN_S
@@ -95,6 +95,7 @@ class SchedulerSide:
         self.m = self.chunk // self.shape.block_size
         self.tier_kinds = {t.name: t.kind for t in cfg.policy.tiers}
         self.load_mode = cfg.load
+        self.tool_call_ids = frozenset(cfg.tool_call_token_ids)
         self._running = 0  # requests scheduled and not finished (for `load: auto`)
         self.store = storeref.acquire(cfg.policy, cfg.node_id, mover=False)
         # The worker side is built first in a shared process (storeref): a store without a
@@ -300,11 +301,12 @@ class SchedulerSide:
         # never scheduled (aborted while loading): its blocks hold nothing to save
         hold = st.scheduled and self._plan_save(st, request.num_computed_tokens,
                                                 list(block_ids))
+        gap = gap_class(request, self.tool_call_ids)
         if st.looked_up and self.forward:
-            self._events.append(self._event("finish", st, st.looked_up))
+            self._events.append(self._event("finish", st, st.looked_up, gap_class=gap))
         elif st.looked_up:  # the store knows the request by the keys it looked up
             try:
-                self.store.finish(st.looked_up, st.hint)
+                self.store.finish(st.looked_up, replace(st.hint or SessionHint(), gap_class=gap))
             except KVTierError as e:
                 log.warning("kvtier: session bookkeeping failed for %s: %s",
                             request.request_id, e)

@@ -46,11 +46,12 @@ def _ranks() -> tuple[int, int]:
     return ps.get_tp_group().rank_in_group, ps.get_pp_group().rank_in_group
 
 
-def _hint(session_id: str | None, expected_gap_s: float | None) -> SessionHint | None:
+def _hint(session_id: str | None, expected_gap_s: float | None,
+          gap_class: str | None = None) -> SessionHint | None:
     """The session hint a job or event carries, or None when it carries none."""
-    if session_id is None and expected_gap_s is None:
+    if session_id is None and expected_gap_s is None and gap_class is None:
         return None
-    return SessionHint(session_id, expected_gap_s)
+    return SessionHint(session_id, expected_gap_s, gap_class)
 
 
 class WorkerSide:
@@ -143,7 +144,7 @@ class WorkerSide:
         try:
             for ev in events:
                 keys = rank_keys(ev.keys, self.fingerprint)
-                hint = _hint(ev.session_id, ev.expected_gap_s)
+                hint = _hint(ev.session_id, ev.expected_gap_s, ev.gap_class)
                 if ev.kind == "lookup":
                     self.store.observe_lookup(keys, ev.hits, hint, ev.held)
                 else:

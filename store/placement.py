@@ -163,7 +163,8 @@ class Placement:
             if sid is None:
                 return
             now = self.clock()
-            self.sessions.end_turn(sid, now, expected_gap_s=getattr(hint, "expected_gap_s", None))
+            self.sessions.end_turn(sid, now, getattr(hint, "gap_class", None),
+                                   expected_gap_s=getattr(hint, "expected_gap_s", None))
             row = self._session_row(sid, now)
             chain = self.sessions.chain(sid)
         if row is not None:

@@ -51,6 +51,7 @@ class SessionHint:
 
     session_id: str | None = None
     expected_gap_s: float | None = None
+    gap_class: str | None = None   # at a turn's end: what it waits for ("tool", "user")
 
 
 @dataclass(frozen=True)

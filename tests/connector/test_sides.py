@@ -30,6 +30,7 @@ from engine_util import files_of  # noqa: E402
 
 BS, CHUNK, NB, L, H, D = 32, 64, 128, 2, 2, 64
 M = CHUNK // BS
+TOOL = 99_001  # a token id standing for the model's tool-call token
 
 
 def make_sides(root, tiers: list[dict], staging: int = 1 << 20, master: str | None = None):
@@ -288,6 +289,31 @@ def test_session_hints_reach_the_store_and_later_turns_are_inferred(sides):
         chains = {sid: chain for sid, _, chain in read_sessions(sides.sched.store.index)}
         assert set(chains) == {"agent-7"}  # the second turn was attached without a hint
         assert len(chains["agent-7"]) == (len(tokens) - 1) // CHUNK
+
+
+def test_a_turn_ending_on_a_tool_call_is_learned_as_a_tool_wait(sides):
+    """With the model's tool-call tokens configured, each turn's end tells the store what the
+    session waits for, here and (forwarded) in the workers' store."""
+    import pickle
+    sides.sched.tool_call_ids = frozenset({TOOL})
+    for forward, req_id, out, want in ((False, "g1", [3, TOOL, 4], "tool"),
+                                       (True, "g2", [3, 4], "user")):
+        sides.sched.forward = forward
+        tokens = random_prompt(9 + forward, 300)
+        r = request(req_id, tokens, params={"kvtier": {"session_id": req_id}})
+        sides.sched.get_num_new_matched_tokens(r, 0)
+        ids = list(range(len(tokens) // BS + 1))
+        sides.sched.update_state_after_alloc(r, blocks(ids), 0)
+        run_worker(sides.worker, step(sides.sched, [(req_id, ids, 0)], {req_id: len(tokens)}))
+        r.num_computed_tokens, r.output_token_ids = len(tokens), out
+        sides.sched.request_finished(r, ids)
+        store = sides.sched.store
+        if forward:
+            meta = step(sides.sched)
+            assert [(e.kind, e.gap_class) for e in meta.events] == [("finish", want)]
+            run_worker(sides.worker, pickle.loads(pickle.dumps(meta)))
+            store = sides.worker.store
+        assert store.placement.sessions._sessions[req_id].cls == want
 
 
 def test_with_the_workers_elsewhere_lookups_and_turn_ends_reach_their_store(sides):
