@@ -64,6 +64,14 @@ def _one_workload(names: list[str]) -> str:
     return wl[0]
 
 
+def _gap_classes(text: str) -> str:
+    from kvtier.tools.traces import GAP_CLASS_MODES
+    if text not in GAP_CLASS_MODES:
+        raise ReplayError(f"--gap-classes: expected one of {', '.join(GAP_CLASS_MODES)}, "
+                          f"got {text!r}")
+    return text
+
+
 def _policies(text: str) -> tuple[str, ...]:
     from kvtier.eviction import EVICTION_POLICIES
     pols = tuple(p.strip() for p in text.split(",") if p.strip())
@@ -104,6 +112,9 @@ def replay(
                                    "turn's true next gap, with a log-normal error of each of "
                                    "these sigmas (e.g. 0,0.5,1; 0: exact), on synthetic and "
                                    "weka: columns 'told ±SIGMA'"),
+    gap_classes: str = typer.Option("trace", "--gap-classes", help="simulate: what each "
+                                    "turn's end tells of the wait: trace (the stop reason "
+                                    "and output types) | tool-user | none"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     instances: str = typer.Option("4", help="engines: instance counts (a list sweeps, with "
                                   "--sessions per instance)"),
@@ -184,6 +195,7 @@ def replay(
                                                seed=seed, prefill_tokens_per_s=prefill_tps),
         weka_live=weka_live, seed=seed, jobs=jobs, online_bound=online_bound,
         gap_oracle=_floats(gap_oracle, "--gap-oracle", zero_ok=True) if gap_oracle else (),
+        gap_classes=_gap_classes(gap_classes),
         sim=SimParams(bytes_per_token=bytes_per_token, prefill_tokens_per_s=prefill_tps))
     console = Console(width=max(Console().width, 130))  # tables stay readable in logs
     with Progress("[progress.description]{task.description}", BarColumn(),

@@ -37,7 +37,7 @@ from kvtier.tools.sim_tiered import TieredReplay
 from kvtier.tools.online_bound import online_bound
 from kvtier.tools.simulate import Replay, SimParams, total_input_tokens
 from kvtier.tools.synthetic import SyntheticSpec, synthetic
-from kvtier.tools.traces import Workload, load_mooncake, load_weka
+from kvtier.tools.traces import Workload, load_mooncake, load_weka, restrict_gap_classes
 
 CLASSIC = ("lru", "s3fifo", "arc")
 BOUND = "online_bound"  # a job computing the online bound, not a policy
@@ -63,6 +63,7 @@ class RunSpec:
     slack: float = 0.5
     online_bound: bool = False   # synthetic only: its gap distribution is known
     gap_oracle: tuple[float, ...] = ()   # agentic told the true gaps with these errors
+    gap_classes: str = "trace"   # what the replay tells of each wait (`traces.GAP_CLASS_MODES`)
 
 
 def load(name: str, spec: RunSpec) -> Compiled:
@@ -151,6 +152,7 @@ def run(spec: RunSpec, progress=None) -> dict:
     t0 = time.time()
     for name in spec.workloads:
         _WORK[name] = load(name, spec)
+        restrict_gap_classes(_WORK[name].work, spec.gap_classes)
     _SYNTHETIC[:] = [spec.synthetic]
     jobs = []
     for name in spec.workloads:

@@ -147,6 +147,22 @@ def _read_lines(path: Path):
         raise TraceError(f"{path}: cannot read the trace ({type(e).__name__}: {e})") from None
 
 
+GAP_CLASS_MODES = ("trace", "tool-user", "none")
+
+
+def restrict_gap_classes(w: Workload, mode: str) -> None:
+    """Keep less of what the trace knows about each wait, in place: `trace` all of it,
+    `tool-user` only a tool call against a person (what a server learns from the model's
+    tool-call tokens), `none` nothing (a server told nothing). `mode`: one of
+    `GAP_CLASS_MODES` (the CLI checks it)."""
+    if mode == "trace":
+        return
+    coarse = [0 if n is None or mode == "none" else 1 if str(n).startswith("tool") else 2
+              for n in w.gap_names]
+    w.gap_class = np.asarray(coarse, dtype=np.int8)[w.gap_class]
+    w.gap_names = GAP_CLASSES
+
+
 # ---- WEKA Claude Code sessions -------------------------------------------------------------
 def load_weka(directory: str | Path, chunk_tokens: int = 256, live: int = 32, seed: int = 0,
               max_sessions: int | None = None) -> Workload:

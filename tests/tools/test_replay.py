@@ -120,6 +120,19 @@ def test_tiered_replay_with_roomy_lower_tiers_loses_nothing(small):
         assert rp.tier_used[0] <= rp.tiers[0].capacity_bytes
 
 
+def test_gap_classes_can_be_coarsened_to_tool_or_person_or_dropped():
+    from kvtier.tools.traces import GAP_CLASSES, restrict_gap_classes
+    names = (None, "tool:text+tool_use", "user", "tool:tool_use")
+    codes = np.array([0, 1, 2, 3, 1], dtype=np.int8)
+    want = {"trace": (names, [0, 1, 2, 3, 1]), "tool-user": (GAP_CLASSES, [0, 1, 2, 1, 1]),
+            "none": (GAP_CLASSES, [0, 0, 0, 0, 0])}
+    for mode, (want_names, want_codes) in want.items():
+        w = synthetic(SyntheticSpec(sessions=1, turns=5))
+        w.gap_names, w.gap_class = names, codes.copy()
+        restrict_gap_classes(w, mode)
+        assert tuple(w.gap_names) == want_names and w.gap_class.tolist() == want_codes
+
+
 def test_cli_runs_a_small_simulation_and_writes_json(tmp_path):
     out = tmp_path / "r.json"
     res = CliRunner().invoke(app, [
@@ -148,6 +161,7 @@ def test_cli_runs_a_small_simulation_and_writes_json(tmp_path):
     (["replay", "--simulate", "--capacities", "0.1,x"], "--capacities"),
     (["replay", "--simulate", "--policies", "lru,belady"], "belady"),
     (["replay", "--simulate", "--gap-oracle", "0,-1"], "--gap-oracle"),
+    (["replay", "--simulate", "--gap-classes", "stops"], "--gap-classes: expected one of"),
 ])
 def test_cli_errors_are_one_clear_line(args, msg):
     from kvtier.store.errors import KVTierError
