@@ -123,11 +123,7 @@ class ShapeTable:
 
     def sf1(self, z: float, code: int) -> float:
         """`sf` for one value."""
-        if z >= Z_GRID[-1]:
-            return 0.0
-        if z <= Z_GRID[0]:
-            return 1.0
-        return float(np.interp(z, Z_GRID, self.rows[code]))
+        return float(np.interp(z, Z_GRID, self.rows[code], left=1.0, right=0.0))
 
     def isf1(self, p: float, code: int) -> float:
         """`isf` for one value."""
