@@ -14,6 +14,9 @@ Fields (all optional; unknown ones are errors):
   request of that step waits for the load). `auto`: `sync` when the engine runs no other
   request, else `async`. Measured side by side, neither made a lone remote hit faster
   (BENCHMARKS.md).
+- `tool_call_token_ids`: `auto` (default: the known tool-call tokens the model's tokenizer
+  holds, see tool_calls.py), or a list of token ids; a turn whose output holds one waits
+  for a tool. An empty list: every turn is one gap class.
 
 Every mistake raises `ConfigError` with one line naming the field and the fix. Nothing is
 read from environment variables.
@@ -35,6 +38,15 @@ from kvtier.store.units import parse_size
 SOURCE = "kv_connector_extra_config"
 
 
+def _token_ids(v: Any) -> str | tuple[int, ...]:
+    ok = v == "auto" or isinstance(v, (list, tuple)) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)
+    if not ok:
+        raise ValueError(f"expected 'auto' or a list of token ids >= 0 (such as [151657]), "
+                         f"got {v!r}")
+    return v if v == "auto" else tuple(v)
+
+
 class _ExtraConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
     kvtier_config: Path | None = None
@@ -44,7 +56,7 @@ class _ExtraConfig(BaseModel):
         default=64 << 20, alias="staging_buffer", ge=1 << 20)
     staging_buffers: int = Field(default=4, ge=1, le=256)
     load: Literal["auto", "async", "sync"] = "async"
-    tool_call_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = ()
+    tool_call_token_ids: Annotated[Any, BeforeValidator(_token_ids)] = "auto"
 
 
 @dataclass(frozen=True)
@@ -54,7 +66,8 @@ class ConnectorConfig:
     staging_buffer_bytes: int
     staging_buffers: int
     load: str = "async"
-    tool_call_token_ids: tuple[int, ...] = ()   # an output holding one ended on a tool call
+    # an output holding one ended on a tool call; "auto": the tokenizer's (tool_calls.py)
+    tool_call_token_ids: tuple[int, ...] | Literal["auto"] = "auto"
 
 
 def parse_extra_config(extra: Any) -> ConnectorConfig:

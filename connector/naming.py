@@ -120,16 +120,6 @@ def token_keys(ns: Namespace, tokens: Any, salt: bytes, after: str | None = None
     return block_keys(ns, tokens, salt, after)
 
 
-def gap_class(request: Any, tool_call_ids: frozenset[int]) -> str | None:
-    """What the session waits for once this request is done: `"tool"` when the output holds
-    one of the model's tool-call tokens, else `"user"`; None when none are configured (the
-    store then learns one gap distribution for every turn)."""
-    if not tool_call_ids:
-        return None
-    out = getattr(request, "output_token_ids", None) or ()
-    return "tool" if not tool_call_ids.isdisjoint(out) else "user"
-
-
 def session_hint(request: Any) -> SessionHint | None:
     """The `{"kvtier": {...}}` part of the request's `kv_transfer_params`, if well formed."""
     params = getattr(request, "kv_transfer_params", None)

@@ -40,9 +40,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.connector import storeref
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob, StoreEvent
-from kvtier.connector.naming import (gap_class, kv_shape, make_namespace, request_salt,
-                                     session_hint, token_keys)
+from kvtier.connector.naming import (kv_shape, make_namespace, request_salt, session_hint,
+                                     token_keys)
 from kvtier.connector.stats import KVTierStats
+from kvtier.connector.tool_calls import detect_tool_call_ids, gap_class
 from kvtier.store.errors import KVTierError
 from kvtier.store.placement import PIN_S
 from kvtier.store.tiered import SessionHint
@@ -95,7 +96,8 @@ class SchedulerSide:
         self.m = self.chunk // self.shape.block_size
         self.tier_kinds = {t.name: t.kind for t in cfg.policy.tiers}
         self.load_mode = cfg.load
-        self.tool_call_ids = frozenset(cfg.tool_call_token_ids)
+        self.tool_call_ids = detect_tool_call_ids(vllm_config.model_config) \
+            if cfg.tool_call_token_ids == "auto" else frozenset(cfg.tool_call_token_ids)
         self._running = 0  # requests scheduled and not finished (for `load: auto`)
         self.store = storeref.acquire(cfg.policy, cfg.node_id, mover=False)
         # The worker side is built first in a shared process (storeref): a store without a

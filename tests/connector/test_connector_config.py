@@ -43,7 +43,8 @@ def test_policy_file_and_sizes(tmp_path):
     assert (cfg.staging_buffer_bytes, cfg.staging_buffers, cfg.node_id, cfg.load) == (
         8 << 20, 2, "node-a", "auto")
     assert cfg.tool_call_token_ids == (151657, 128008)
-    assert parse_extra_config({}).tool_call_token_ids == ()
+    assert parse_extra_config({}).tool_call_token_ids == "auto"
+    assert parse_extra_config({"tool_call_token_ids": []}).tool_call_token_ids == ()
 
 
 def test_no_config_uses_the_default_policy():
@@ -58,7 +59,8 @@ def test_no_config_uses_the_default_policy():
     ({"staging_buffers": 0}, r"^kv_connector_extra_config: staging_buffers: "),
     ({"node_id": "a b"}, r"^kv_connector_extra_config: node_id: "),
     ({"load": "eager"}, r"^kv_connector_extra_config: load: .*'auto', 'async' or 'sync'"),
-    ({"tool_call_token_ids": [-1]}, r"^kv_connector_extra_config: tool_call_token_ids"),
+    ({"tool_call_token_ids": [-1]},
+     r"^kv_connector_extra_config: tool_call_token_ids: expected 'auto' or a list of token"),
     ({"tool_call_token_ids": "<tool_call>"}, r"^kv_connector_extra_config: tool_call_token_ids"),
     ({"policy": [1, 2]}, r"^kv_connector_extra_config: policy: "),
     ({"kvtier_config": "/nonexistent/p.yaml"}, r"/nonexistent/p.yaml: no such policy file"),
@@ -156,14 +158,6 @@ def test_salt_separates_lora_cache_salt_and_images():
     mm = naming.request_salt(request(mm_features=[image]))
     assert plain == b"" and len({plain, lora, salted, mm}) == 4
     assert naming.request_salt(request(prompt_embeds=torch.zeros(3, 4))) is None
-
-
-def test_a_turn_that_ended_on_a_tool_call_waits_for_the_tool():
-    tools = frozenset({7, 9})
-    assert naming.gap_class(request(output_token_ids=[1, 2, 9, 3]), tools) == "tool"
-    assert naming.gap_class(request(output_token_ids=[1, 2, 3]), tools) == "user"
-    assert naming.gap_class(request(output_token_ids=[1, 9]), frozenset()) is None
-    assert naming.gap_class(request(), tools) == "user"   # nothing generated
 
 
 def test_session_hint_from_kv_transfer_params(caplog):
