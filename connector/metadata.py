@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvtier.store.tiered import SessionHint
+
 
 @dataclass
 class LoadJob:
@@ -42,22 +44,20 @@ class SaveJob:
     req_id: str
     keys: list[str]
     block_ids: list[list[int]]
-    session_id: str | None = None
-    expected_gap_s: float | None = None
+    hint: SessionHint | None = None
 
 
 @dataclass
 class StoreEvent:
     """`lookup`: a request's chain was looked up, chunks [held, hits) may be loaded;
-    `finish`: the request over that chain ended (its session's turn is over)."""
+    `finish`: the request over that chain ended (its session's turn is over; the hint's
+    `gap_class` says what it waits for)."""
 
     kind: str
     keys: list[str]
     hits: int = 0
     held: int = 0
-    session_id: str | None = None
-    expected_gap_s: float | None = None
-    gap_class: str | None = None   # `finish`: what the turn's end waits for
+    hint: SessionHint | None = None
 
 
 @dataclass

@@ -260,13 +260,7 @@ class SchedulerSide:
         if last and last[:3] == (len(keys), hits, held) and now - last[3] < PIN_RENEW_S:
             return
         st.forwarded = (len(keys), hits, held, now)
-        self._events.append(self._event("lookup", st, keys, hits=hits, held=held))
-
-    @staticmethod
-    def _event(kind: str, st: _Req, keys: list[str], **kw) -> StoreEvent:
-        hint = st.hint or SessionHint()
-        return StoreEvent(kind, keys, session_id=hint.session_id,
-                          expected_gap_s=hint.expected_gap_s, **kw)
+        self._events.append(StoreEvent("lookup", keys, hits, held, st.hint))
 
     def _plan_save(self, st: _Req, computed: int, block_ids: list[int] | None = None) -> bool:
         """Save the chunks whose KV is complete at `computed` tokens and whose ids are known;
@@ -278,9 +272,8 @@ class SchedulerSide:
             return False
         keys = self._keys(st, done)
         rows = [ids[c * self.m:(c + 1) * self.m] for c in range(st.saved_upto, done)]
-        hint = st.hint or SessionHint()
         self._saves.append(SaveJob(st.request.request_id, keys[st.saved_upto:done], rows,
-                                   hint.session_id, hint.expected_gap_s))
+                                   st.hint))
         st.saved_chunks += done - st.saved_upto
         st.saved_upto = done
         return True
@@ -303,12 +296,12 @@ class SchedulerSide:
         # never scheduled (aborted while loading): its blocks hold nothing to save
         hold = st.scheduled and self._plan_save(st, request.num_computed_tokens,
                                                 list(block_ids))
-        gap = gap_class(request, self.tool_call_ids)
+        hint = replace(st.hint or SessionHint(), gap_class=gap_class(request, self.tool_call_ids))
         if st.looked_up and self.forward:
-            self._events.append(self._event("finish", st, st.looked_up, gap_class=gap))
+            self._events.append(StoreEvent("finish", st.looked_up, hint=hint))
         elif st.looked_up:  # the store knows the request by the keys it looked up
             try:
-                self.store.finish(st.looked_up, replace(st.hint or SessionHint(), gap_class=gap))
+                self.store.finish(st.looked_up, hint)
             except KVTierError as e:
                 log.warning("kvtier: session bookkeeping failed for %s: %s",
                             request.request_id, e)

@@ -30,7 +30,6 @@ from kvtier.connector.staging import FrameBuffer, StagingPool
 from kvtier.connector.stats import KVTierStats
 from kvtier.store import block
 from kvtier.store.errors import KVTierError
-from kvtier.store.tiered import SessionHint
 
 log = logging.getLogger(__name__)
 # How long a step with nothing to compute may wait for a load to finish. Short, so requests
@@ -44,14 +43,6 @@ def _ranks() -> tuple[int, int]:
     if not ps.model_parallel_is_initialized():
         return 0, 0
     return ps.get_tp_group().rank_in_group, ps.get_pp_group().rank_in_group
-
-
-def _hint(session_id: str | None, expected_gap_s: float | None,
-          gap_class: str | None = None) -> SessionHint | None:
-    """The session hint a job or event carries, or None when it carries none."""
-    if session_id is None and expected_gap_s is None and gap_class is None:
-        return None
-    return SessionHint(session_id, expected_gap_s, gap_class)
 
 
 class WorkerSide:
@@ -144,11 +135,10 @@ class WorkerSide:
         try:
             for ev in events:
                 keys = rank_keys(ev.keys, self.fingerprint)
-                hint = _hint(ev.session_id, ev.expected_gap_s, ev.gap_class)
                 if ev.kind == "lookup":
-                    self.store.observe_lookup(keys, ev.hits, hint, ev.held)
+                    self.store.observe_lookup(keys, ev.hits, ev.hint, ev.held)
                 else:
-                    self.store.finish(keys, hint)
+                    self.store.finish(keys, ev.hint)
         except KVTierError as e:  # bookkeeping: the step and its requests go on without it
             log.warning("kvtier: session bookkeeping failed: %s", e)
 
@@ -169,14 +159,13 @@ class WorkerSide:
 
     def _gather(self, job: SaveJob) -> None:
         keys = rank_keys(job.keys, self.fingerprint)
-        hint = _hint(job.session_id, job.expected_gap_s)
         step = self.save_pool.capacity
         for s in range(0, len(keys), step):
             buf = self.save_pool.acquire()  # waits while all are in flight: backpressure
             ready = stage_save(self.paged, buf, job.block_ids[s:s + step], self.m)
             if ready is not None and job.req_id in self._held:  # its blocks wait for this
                 self._gathers.setdefault(job.req_id, []).append(ready)
-            self.io.submit_save(SaveBatch(job.req_id, keys[s:s + step], buf, hint, ready))
+            self.io.submit_save(SaveBatch(job.req_id, keys[s:s + step], buf, job.hint, ready))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finished_seen |= finished_req_ids

@@ -310,7 +310,7 @@ def test_a_turn_ending_on_a_tool_call_is_learned_as_a_tool_wait(sides):
         store = sides.sched.store
         if forward:
             meta = step(sides.sched)
-            assert [(e.kind, e.gap_class) for e in meta.events] == [("finish", want)]
+            assert [(e.kind, e.hint.gap_class) for e in meta.events] == [("finish", want)]
             run_worker(sides.worker, pickle.loads(pickle.dumps(meta)))
             store = sides.worker.store
         assert store.placement.sessions._sessions[req_id].cls == want
@@ -331,7 +331,7 @@ def test_with_the_workers_elsewhere_lookups_and_turn_ends_reach_their_store(side
     ids = list(range(len(tokens) // BS + 1))
     sides.sched.update_state_after_alloc(r, blocks(ids), 0)
     meta = step(sides.sched, [("f1", ids, 0)], {"f1": len(tokens)})
-    assert [(e.kind, e.session_id, e.expected_gap_s) for e in meta.events] == [
+    assert [(e.kind, e.hint.session_id, e.hint.expected_gap_s) for e in meta.events] == [
         ("lookup", "agent-9", 2.0)]
     run_worker(sides.worker, pickle.loads(pickle.dumps(meta)))  # it crosses processes
     r.num_computed_tokens = len(tokens)
