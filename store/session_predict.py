@@ -48,7 +48,7 @@ class Snapshot(NamedTuple):
 
 
 class SessionPredictions:
-    """Prediction methods of `SessionTracker` (which provides `_sessions`, `_params`,
+    """Prediction methods of `SessionTracker` (which provides `_sessions`, `_params`, `_ahead`,
     `model`, `_refs`, `_owner`, `_pos`)."""
 
     @property
@@ -62,8 +62,8 @@ class SessionPredictions:
             return None
         mu, sigma, shape = self._params(s)
         since = s.last_end if s.last_end is not None and not s.active else s.last_arrival
-        return Snapshot(since, mu, sigma, 1.0 - self.model.p_end(s.cls, s.turns), s.active,
-                        s.busy_s, shape)
+        alive = 1.0 - self.model.p_end(self._ahead(s), s.turns)
+        return Snapshot(since, mu, sigma, alive, s.active, s.busy_s, shape)
 
     def reuse_probability(self, session: Hashable, now: float, horizon_s: float) -> float:
         """P(next turn in (now, now + horizon_s]), given none so far."""

@@ -18,7 +18,7 @@ Pure arithmetic on floats; no I/O, no clocks.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -27,6 +27,8 @@ from kvtier.store.gap_shape import NORMAL, LogHistogram, ShapeTable
 _SQRT2 = math.sqrt(2.0)
 _STD = NormalDist()
 _MIN_GAP_S = 1e-3
+FIRST = "<first turn>"   # the class a session's first turn began after
+FOLLOW_MIN = 16          # turns seen after a class before its likeliest successor is used
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class GapModel:
         self.ends: dict[object, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.cont_total: dict[object, int] = defaultdict(int)
         self.ends_total: dict[object, int] = defaultdict(int)
+        self.follows: dict[object, Counter] = defaultdict(Counter)  # class -> next classes
         # posterior count of dead sessions among the idle ones, and how many were idle
         self.pool_weight: dict[object, float] = {}   # empirical-Bayes shrinkage per class
         self.dead: dict = {}
@@ -155,6 +158,19 @@ class GapModel:
         if p <= 0.0:
             return math.inf
         return math.exp(mu + sigma * self.shapes.isf1(p, shape))
+
+    def observe_follow(self, prev: object, cls: object) -> None:
+        """A turn that began after a `prev` gap ended with a `cls` one (`prev` FIRST: the
+        session's first turn)."""
+        self.follows[prev][cls] += 1
+
+    def likely_next(self, prev: object, default: object) -> object:
+        """The class of gap that most often ends a turn begun after a `prev` gap; `default`
+        until `FOLLOW_MIN` such turns were seen."""
+        seen = self.follows.get(prev)
+        if not seen or seen.total() < FOLLOW_MIN:
+            return default
+        return seen.most_common(1)[0][0]
 
     def shape(self, cls: object) -> int:
         """The `shapes` row of the class's standardized log gap (`NORMAL` if none seen)."""

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 from kvtier.store.session_predict import SessionInfo, SessionPredictions
 from kvtier.store.gap_shape import NORMAL
-from kvtier.store.session_stats import GapModel, GapPrior, LogStats
+from kvtier.store.session_stats import FIRST, GapModel, GapPrior, LogStats
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,7 @@ class SessionTracker(SessionPredictions):
             return
         if s.active:
             s.busy_s = now - s.last_arrival
+            self.model.observe_follow(s.cls if s.last_end is not None else FIRST, gap_class)
         s.last_end, s.active, s.cls = now, False, gap_class
         if expected_gap_s is not None:
             s.hint_gap_s = expected_gap_s
@@ -225,12 +226,22 @@ class SessionTracker(SessionPredictions):
                 self._pos.pop(k, None)
                 self._reclaim.append(k)
 
+    def _ahead(self, s: _Session) -> object:
+        """The class of the gap ahead. After a turn ends, the one it ended with; while a
+        turn is served, its end is not known yet: the class that most often ends a turn
+        begun like this one (an agent answers a person with a tool call more often than
+        not, so a session just back from a person is likely back again within seconds)."""
+        if not s.active:
+            return s.cls
+        return self.model.likely_next(s.cls if s.last_end is not None else FIRST, s.cls)
+
     def _params(self, s: _Session) -> tuple[float, float, int]:
         """(mu, sigma, shape) of its log gap: the learned ones, or normal around a hint."""
         if s.hint_gap_s is not None and s.hint_gap_s > 0:
             return math.log(s.hint_gap_s), self.config.hint_sigma, NORMAL
-        mu, sigma = self.model.params(s.stats.get(s.cls), s.cls)
-        return mu, sigma, self.model.shape(s.cls)
+        cls = self._ahead(s)
+        mu, sigma = self.model.params(s.stats.get(cls), cls)
+        return mu, sigma, self.model.shape(cls)
 
     # ---- ends -------------------------------------------------------------------------------
     def end_after_s(self, session: Hashable) -> float:

@@ -115,6 +115,44 @@ def test_reuse_probability_and_predictions_are_consistent():
     assert tr.info(t.session, 2.0).state in ("hot", "idle")
 
 
+def test_a_turn_in_service_is_expected_to_end_as_such_turns_usually_do():
+    """An agent answers a tool result with a message to the person and the person's message
+    with a tool call: while a turn is served, the gap ahead is the one that usually follows
+    the gap before it, not that one again."""
+    tr = SessionTracker()
+    t = 0.0
+    for s in range(20):  # tool call (3 s) -> answer (600 s) -> tool call -> answer
+        chain = [f"s{s}"]
+        for k in range(4):
+            cls, gap = ("tool", 3.0) if k % 2 == 0 else ("user", 600.0)
+            turn(tr, chain, t, end=t + 1.0, cls=cls)
+            t += 1.0 + gap
+            chain = chain + [f"s{s}-{k}"]
+
+    def mu_of(sid, cls):  # the session's own estimate for a class, as the tracker forms it
+        return tr.model.params(tr._sessions[sid].stats.get(cls), cls)[0]
+
+    first = tr.observe(["new"], t)            # a first turn: first turns end on tool calls
+    sid = first.session
+    assert tr.snapshot(sid).mu == mu_of(sid, "tool")
+    tr.end_turn(sid, t + 1.0, "tool")
+    assert tr.snapshot(sid).mu == mu_of(sid, "tool")
+    tr.observe(["new", "n1"], t + 4.0)        # back from the tool; the answer is served
+    assert tr.snapshot(sid).mu == mu_of(sid, "user")
+    tr.end_turn(sid, t + 5.0, "user")
+    tr.observe(["new", "n1", "n2"], t + 600)  # the person's message is served
+    assert tr.snapshot(sid).mu == mu_of(sid, "tool")
+    assert mu_of(sid, "user") > mu_of(sid, "tool") + 1.0
+
+
+def test_the_gap_ahead_keeps_the_last_class_until_enough_turns_were_seen():
+    tr = SessionTracker()
+    sid = turn(tr, ["a"], 0.0, end=1.0, cls="user").session
+    turn(tr, ["a", "b"], 2.0, end=3.0, cls="tool")
+    tr.observe(["a", "b", "c"], 4.0)
+    assert tr._ahead(tr._sessions[sid]) == "tool"  # one turn seen, not FOLLOW_MIN
+
+
 def test_change_log_tells_readers_which_sessions_moved():
     tr = SessionTracker()
     a = turn(tr, ["a"], 0.0)
