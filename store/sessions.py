@@ -75,6 +75,11 @@ class _Session:
         self.hint_gap_s: float | None = None
         self.busy_s = 0.0  # how long its last turn was served (arrival to end)
 
+    @property
+    def began_after(self) -> object:
+        """The class of the gap its turn in service (or its last turn) began after."""
+        return self.cls if self.last_end is not None else FIRST
+
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
     """Length of the common prefix of two chains of chained keys (binary search: a[i] == b[i]
@@ -178,7 +183,7 @@ class SessionTracker(SessionPredictions):
             return
         if s.active:
             s.busy_s = now - s.last_arrival
-            self.model.observe_follow(s.cls if s.last_end is not None else FIRST, gap_class)
+            self.model.observe_follow(s.began_after, gap_class)
         s.last_end, s.active, s.cls = now, False, gap_class
         if expected_gap_s is not None:
             s.hint_gap_s = expected_gap_s
@@ -233,7 +238,7 @@ class SessionTracker(SessionPredictions):
         not, so a session just back from a person is likely back again within seconds)."""
         if not s.active:
             return s.cls
-        return self.model.likely_next(s.cls if s.last_end is not None else FIRST, s.cls)
+        return self.model.likely_next(s.began_after, s.cls)
 
     def _params(self, s: _Session) -> tuple[float, float, int]:
         """(mu, sigma, shape) of its log gap: the learned ones, or normal around a hint."""
