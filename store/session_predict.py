@@ -33,6 +33,7 @@ class SessionInfo(NamedTuple):
     last_end: float | None
     predicted_next: float   # conditional median of the next arrival (inf if none)
     state: str              # active | hot | idle
+    waits_for: str | None = None  # gap class ahead ("tool", "user"); expected while active
 
 
 class Snapshot(NamedTuple):
@@ -154,7 +155,9 @@ class SessionPredictions:
         nxt = self.predicted_return(session, now, 0.5)
         state = "active" if s.active else (
             "hot" if now < self.hot_until(session, 0.9) else "idle")
-        return SessionInfo(s.sid, s.turns, len(s.chain), s.last_arrival, s.last_end, nxt, state)
+        cls = self._ahead(s)
+        return SessionInfo(s.sid, s.turns, len(s.chain), s.last_arrival, s.last_end, nxt, state,
+                           None if cls is None else str(cls))
 
     def sessions(self) -> list[Hashable]:
         """Live session ids, least recently active first."""

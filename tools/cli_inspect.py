@@ -119,7 +119,8 @@ def _render_summary(console: Console, data: dict) -> None:
 
 @app.command("sessions")
 def sessions(policy: Optional[Path] = POLICY, as_json: bool = JSON) -> None:
-    """Per session: turns, blocks per tier, last turn, predicted next turn, state."""
+    """Per session: turns, blocks per tier, last turn, predicted next turn, state, and what
+    it waits for (a tool or a person; while a turn is served, what it likely ends on)."""
     ix = open_index_readonly(policy, None)
     try:
         rows = [{"session": sid, **rec, "chain_blocks": len(chain)}
@@ -136,12 +137,14 @@ def _ago(t) -> str:
 
 def _render_sessions(console: Console, rows: list) -> None:
     table = Table(title=f"{len(rows)} sessions")
-    for col in ("session", "state", "turns", "blocks per tier", "last turn end", "next turn"):
+    for col in ("session", "state", "turns", "blocks per tier", "last turn end", "next turn",
+                "waits for"):
         table.add_column(col)
     for r in rows:
         per = " ".join(f"{k}:{v}" for k, v in r.get("blocks_per_tier", {}).items())
         table.add_row(r["session"], r.get("state", "?"), str(r.get("turns", "?")), per,
-                      _ago(r.get("last_end")), _ago(r.get("predicted_next")))
+                      _ago(r.get("last_end")), _ago(r.get("predicted_next")),
+                      r.get("waits_for") or "-")
     console.print(table)
 
 

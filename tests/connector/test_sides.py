@@ -295,6 +295,8 @@ def test_a_turn_ending_on_a_tool_call_is_learned_as_a_tool_wait(sides):
     """With the model's tool-call tokens configured, each turn's end tells the store what the
     session waits for, here and (forwarded) in the workers' store."""
     import pickle
+
+    from kvtier.store.session_store import read_sessions
     sides.sched.tool_call_ids = frozenset({TOOL})
     for forward, req_id, out, want in ((False, "g1", [3, TOOL, 4], "tool"),
                                        (True, "g2", [3, 4], "user")):
@@ -314,6 +316,9 @@ def test_a_turn_ending_on_a_tool_call_is_learned_as_a_tool_wait(sides):
             run_worker(sides.worker, pickle.loads(pickle.dumps(meta)))
             store = sides.worker.store
         assert store.placement.sessions._sessions[req_id].cls == want
+        # and operators see it (`inspect sessions` reads this row)
+        assert {sid: rec for sid, rec, _ in read_sessions(store.index)}[req_id][
+            "waits_for"] == want
 
 
 def test_with_the_workers_elsewhere_lookups_and_turn_ends_reach_their_store(sides):

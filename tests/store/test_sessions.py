@@ -139,6 +139,7 @@ def test_a_turn_in_service_is_expected_to_end_as_such_turns_usually_do():
     assert tr.snapshot(sid).mu == mu_of(sid, "tool")
     tr.observe(["new", "n1"], t + 4.0)        # back from the tool; the answer is served
     assert tr.snapshot(sid).mu == mu_of(sid, "user")
+    assert tr.info(sid, t + 4.0).waits_for == "user"  # what `inspect sessions` shows
     tr.end_turn(sid, t + 5.0, "user")
     tr.observe(["new", "n1", "n2"], t + 600)  # the person's message is served
     assert tr.snapshot(sid).mu == mu_of(sid, "tool")

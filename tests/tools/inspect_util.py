@@ -75,15 +75,17 @@ def session_keys(n_sessions: int, blocks: int, first: int = 0) -> dict[str, list
             for i in range(first, first + n_sessions)}
 
 
-def fill(policy, sessions: dict[str, list[str]], finish: bool = True) -> None:
-    """Save each session's blocks through a TieredStore and persist them to every tier."""
+def fill(policy, sessions: dict[str, list[str]], finish: bool = True,
+         waits_for: dict[str, str] | None = None) -> None:
+    """Save each session's blocks through a TieredStore and persist them to every tier;
+    each turn ends waiting for `waits_for[session]` (the gap class), if given."""
     with TieredStore(policy, mover=False) as store:
         for sid, keys in sessions.items():
             hint = SessionHint(sid)
             store.lookup(keys, hint)
             assert all(store.save(keys, frames_for(keys), hint))
             if finish:
-                store.finish(keys, hint)
+                store.finish(keys, SessionHint(sid, gap_class=(waits_for or {}).get(sid)))
         store.mover.drain()
 
 

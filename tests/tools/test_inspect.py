@@ -213,7 +213,7 @@ def test_pool_entries_are_checked_against_the_master(tmp_path, shared_master):
 def test_summary_sessions_and_blocks(tmp_path):
     path, pol = write_policy(tmp_path)
     sessions = session_keys(2, 4)
-    fill(pol, sessions)
+    fill(pol, sessions, waits_for={"s0": "tool"})
     summary = json.loads(cli("--json", "-p", str(path)).stdout)
     assert {t: (v["blocks"], v["pending"]) for t, v in summary["tiers"].items()} == \
         {"nvme": (8, 0), "shared": (8, 0)}
@@ -224,7 +224,9 @@ def test_summary_sessions_and_blocks(tmp_path):
     rows = json.loads(cli("sessions", "--json", "-p", str(path)).stdout)
     assert {r["session"]: r["chain_blocks"] for r in rows} == {"s0": 4, "s1": 4}
     assert all(r["turns"] == 1 for r in rows)
-    assert "s0" in cli("sessions", "-p", str(path)).stdout
+    assert {r["session"]: r["waits_for"] for r in rows} == {"s0": "tool", "s1": None}
+    table = cli("sessions", "-p", str(path)).stdout
+    assert "s0" in table and "waits for" in table and "tool" in table
 
     key = sessions["s1"][2]
     rows = json.loads(cli("blocks", key, "0" * 48, "--json", "-p", str(path)).stdout)
