@@ -28,7 +28,22 @@ DTYPE = "float32"
 MODEL_NAME = "tiny-llama"
 
 __all__ = ["BLOCK", "CHUNK", "Cluster", "Engines", "Output", "chunk_keys", "make_tiny_model",
-           "random_prompt", "full_block_tokens", "kvtier_transfer_config"]
+           "random_prompt", "full_block_tokens", "kvtier_transfer_config", "save_tokenizer"]
+
+
+def save_tokenizer(path, special: list[str]) -> dict[str, int]:
+    """A word-level tokenizer with `special` as added tokens, saved under `path` (beside the
+    tiny model, for what reads the model's tokenizer); returns its vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"w{i}": i for i in range(300)} | {"[UNK]": 300}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="w0")
+    fast.add_special_tokens({"additional_special_tokens": special})
+    fast.save_pretrained(path)
+    return fast.get_vocab()
+
 
 
 def full_block_tokens(prompt: list[int]) -> int:

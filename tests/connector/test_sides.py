@@ -33,7 +33,8 @@ M = CHUNK // BS
 TOOL = 99_001  # a token id standing for the model's tool-call token
 
 
-def make_sides(root, tiers: list[dict], staging: int = 1 << 20, master: str | None = None):
+def make_sides(root, tiers: list[dict], staging: int = 1 << 20, master: str | None = None,
+               model_config=None):
     """Both sides over one store of `tiers` and a paged cache in vLLM's CPU layout."""
     policy = policy_from_dict({
         "namespace": {"model": "unit"}, "chunk_tokens": CHUNK,
@@ -52,7 +53,7 @@ def make_sides(root, tiers: list[dict], staging: int = 1 << 20, master: str | No
     caches = dict(zip(names, vllm_kv.create_kv_cache_views(raw, spec, NB, layout, tensor)))
     for view in caches.values():
         view.copy_(torch.randn(view.shape).to(torch.bfloat16))
-    vconf = SimpleNamespace(model_config=SimpleNamespace(model="/m"),
+    vconf = SimpleNamespace(model_config=model_config or SimpleNamespace(model="/m"),
                             parallel_config=SimpleNamespace(tensor_parallel_size=1,
                                                             pipeline_parallel_size=1))
     cfg = ConnectorConfig(policy, "unit", staging, 2, "async")
@@ -319,6 +320,23 @@ def test_a_turn_ending_on_a_tool_call_is_learned_as_a_tool_wait(sides):
         # and operators see it (`inspect sessions` reads this row)
         assert {sid: rec for sid, rec, _ in read_sessions(store.index)}[req_id][
             "waits_for"] == want
+
+
+def test_by_default_the_scheduler_reads_the_tool_call_tokens_from_the_tokenizer(tmp_path):
+    """`tool_call_token_ids: auto` (the default): the ids come from the served model's
+    tokenizer, as vLLM's own model config names it."""
+    from vllm.config import ModelConfig
+
+    from engine_util import make_tiny_model, save_tokenizer
+    model = make_tiny_model(tmp_path / "model")
+    vocab = save_tokenizer(model, ["<tool_call>", "</tool_call>"])
+    s = make_sides(tmp_path, [{"name": "shared", "kind": "sharedfs",
+                               "path": str(tmp_path / "shared"), "capacity": "64MiB"}],
+                   model_config=ModelConfig(model=str(model), dtype="bfloat16"))
+    try:
+        assert s.sched.tool_call_ids == {vocab["<tool_call>"]}
+    finally:
+        close_sides(s)
 
 
 def test_with_the_workers_elsewhere_lookups_and_turn_ends_reach_their_store(sides):

@@ -15,18 +15,7 @@ from kvtier.connector.engine_host import make_tiny_model  # noqa: E402
 from kvtier.connector.tool_calls import (TOOL_CALL_MARKERS, detect_tool_call_ids,  # noqa: E402
                                          gap_class, tool_call_ids)
 
-
-def save_tokenizer(path, special: list[str]) -> dict[str, int]:
-    """A word-level tokenizer with `special` as added tokens, saved under `path`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {f"w{i}": i for i in range(300)} | {"[UNK]": 300}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="w0")
-    fast.add_special_tokens({"additional_special_tokens": special})
-    fast.save_pretrained(path)
-    return fast.get_vocab()
+from engine_util import save_tokenizer  # noqa: E402
 
 
 def model_config(path, **over):
