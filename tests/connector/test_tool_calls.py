@@ -11,11 +11,10 @@ import pytest
 
 pytest.importorskip("vllm.tokenizers")
 
-from kvtier.connector.engine_host import make_tiny_model  # noqa: E402
 from kvtier.connector.tool_calls import (TOOL_CALL_MARKERS, detect_tool_call_ids,  # noqa: E402
                                          gap_class, tool_call_ids)
 
-from engine_util import save_tokenizer  # noqa: E402
+from engine_util import make_tiny_model, save_tokenizer  # noqa: E402
 
 
 def model_config(path, **over):
