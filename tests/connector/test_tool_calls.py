@@ -48,11 +48,11 @@ def test_no_tool_call_token_or_no_tokenizer_leaves_one_class(tmp_path, model_dir
 
 
 def test_an_unreadable_tokenizer_costs_the_classes_not_the_engine(tmp_path, caplog):
-    broken = SimpleNamespace(tokenizer=str(tmp_path / "gone"), skip_tokenizer_init=False,
-                             runner_type="generate", tokenizer_mode="auto",
-                             tokenizer_revision=None, trust_remote_code=False)
+    corrupt = make_tiny_model(tmp_path / "corrupt")
+    save_tokenizer(corrupt, ["<tool_call>"])
+    (corrupt / "tokenizer.json").write_text("{not json")
     with caplog.at_level(logging.WARNING, logger="kvtier.connector.tool_calls"):
-        assert detect_tool_call_ids(broken) == frozenset()
+        assert detect_tool_call_ids(model_config(corrupt)) == frozenset()
     assert "could not read the tokenizer" in caplog.text and "by hand" in caplog.text
 
 
