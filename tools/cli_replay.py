@@ -115,6 +115,9 @@ def replay(
     gap_classes: str = typer.Option("trace", "--gap-classes", help="simulate: what each "
                                     "turn's end tells of the wait: trace (the stop reason "
                                     "and output types) | tool-user | none"),
+    gap_info: bool = typer.Option(False, "--gap-info", help="simulate: add how much of "
+                                  "each workload's gaps what a server knows at a turn's "
+                                  "end explains, as the --gap-oracle sigma it equals"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     instances: str = typer.Option("4", help="engines: instance counts (a list sweeps, with "
                                   "--sessions per instance)"),
@@ -195,7 +198,7 @@ def replay(
                                                seed=seed, prefill_tokens_per_s=prefill_tps),
         weka_live=weka_live, seed=seed, jobs=jobs, online_bound=online_bound,
         gap_oracle=_floats(gap_oracle, "--gap-oracle", zero_ok=True) if gap_oracle else (),
-        gap_classes=_gap_classes(gap_classes),
+        gap_classes=_gap_classes(gap_classes), gap_info=gap_info,
         sim=SimParams(bytes_per_token=bytes_per_token, prefill_tokens_per_s=prefill_tps))
     console = Console(width=max(Console().width, 130))  # tables stay readable in logs
     with Progress("[progress.description]{task.description}", BarColumn(),
@@ -229,6 +232,20 @@ def _mark(ok) -> str:
     return "" if ok is None else ("[green]yes[/]" if ok else "[red]no[/]")
 
 
+def _told(sigma) -> str:
+    return "nothing" if sigma is None else f"told ±{sigma:.2f}"
+
+
+def _gap_info_text(name: str, g: dict) -> str:
+    """`--gap-info`, one paragraph: the spread of log gaps, then what the class and every
+    feature leave of it, on held-out sessions, as the oracle sigma each knowledge equals."""
+    return (f"{name} gaps: {g['gaps']:,} ({g['held_out']:,} held out), log spread "
+            f"{g['spread']:.2f}; the class ({g['classes']}) leaves {g['class_residual']:.2f} "
+            f"({_told(g['told_sigma_class'])}), with {', '.join(g['features'])} "
+            f"{g['residual']:.2f} ({_told(g['told_sigma'])}): "
+            f"{100 * g['explained_within_class']:.1f}% of what the class leaves")
+
+
 def render(report: dict, console: Console) -> None:
     """One table per workload, then the tiered table."""
     for name, w in report["workloads"].items():
@@ -259,6 +276,8 @@ def render(report: dict, console: Console) -> None:
                       _mark(row.get("target_a")), _mark(row.get("target_b"))]
             t.add_row(*cells)
         console.print(t)
+        if w.get("gap_info"):
+            console.print(_gap_info_text(name, w["gap_info"]))
     spec = report["spec"]
     if not spec.get("tiered"):
         return

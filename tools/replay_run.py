@@ -14,6 +14,8 @@ With `online_bound`, the synthetic rows also get an upper bound on the hit rate 
 policy can reach (`tools.online_bound`): what (a) can ask of a policy that does not see the
 future. With `gap_oracle`, the synthetic and weka rows also get agentic told each turn's
 true next gap with each given error (`tools.sim_oracle`): what better gap predictions buy.
+With `gap_info`, each workload with sessions also gets how much of its gaps' spread what a
+server knows at a turn's end explains (`tools.gap_info`), in the oracle's units.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 
 from kvtier.store.config import kvtier_home
 from kvtier.tools.segments import Compiled, compile_workload
+from kvtier.tools.gap_info import gap_info
 from kvtier.tools.sim_oracle import GapOracleReplay
 from kvtier.tools.sim_tiered import TieredReplay
 from kvtier.tools.online_bound import online_bound
@@ -64,6 +67,7 @@ class RunSpec:
     online_bound: bool = False   # synthetic only: its gap distribution is known
     gap_oracle: tuple[float, ...] = ()   # agentic told the true gaps with these errors
     gap_classes: str = "trace"   # what the replay tells of each wait (`traces.GAP_CLASS_MODES`)
+    gap_info: bool = False       # how much of the gaps' spread a server's features explain
 
 
 def load(name: str, spec: RunSpec) -> Compiled:
@@ -186,6 +190,8 @@ def _report(spec: RunSpec, results, wall_s: float) -> dict:
             "name": c.work.name, "requests": len(c.work),
             "footprint_tokens": c.footprint_blocks * c.work.block_tokens,
             "block_tokens": c.work.block_tokens, "rows": [], "tiered": {}}
+        if spec.gap_info:
+            w["gap_info"] = gap_info(c.work, spec.seed)
         rows: dict = {}
         for (wl, pol, frac, tiered, _), (_, _, _, rate, secs, extra) in results:
             if wl != name:
