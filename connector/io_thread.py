@@ -5,8 +5,8 @@ buffer of chunks from the store (verified there: a corrupt or missing chunk is a
 scatters the chunks before the first miss into the paged cache, and reports the blocks of
 the missed chunk and of every later chunk of the request as failed, so vLLM recomputes from
 the first of them. On a CPU cache, chunks the store can hand out where they lie (runs in
-another engine's pool segment file, `TieredStore.locate`) are scattered from there and
-checked there instead, without the copy into staging. A save batch arrives already
+another engine's pool segment file, `TieredStore.locate`) are scattered from there, without
+the copy into staging, then gathered back from the cache and checked. A save batch arrives already
 gathered into a staging buffer (by the main thread, in `wait_for_save`); here it is sealed
 (header + checksum) and written through the store. A failed save is only a future miss: it
 is counted and logged, never retried inline.
@@ -240,15 +240,16 @@ class IOThread:
     def _load_in_place(self, job: LoadBatch) -> list[int]:
         """Scatter the chunks the store lets us read where they lie (another engine's pool
         segment, mapped from its file) straight into the paged cache, then have the store
-        check them there; payload length per chunk, `MISS` for those left to `store.load`.
+        check them; payload length per chunk, `MISS` for those left to `store.load`.
 
-        A chunk that fails the check is loaded again, and no block is reported before its
-        chunk passed. What a check after the read cannot see is a frame replaced and put
-        back while it was read (removed, another block's frame read in its place, the same
-        key put again at the same address before the check): the pool leases what the
-        lookup found, so only a forced removal (a demotion) can start that, and it would
-        have to finish within one read (README, "Segments in files"). CPU caches only: a
-        GPU reads through pinned staging."""
+        What is checked is what the cache now holds: the scattered blocks are gathered back
+        into staging (one memory pass) and checked against the header their key's frame
+        has at check time. So a frame that changed while it was read (even one removed,
+        its space reused, and the same key put back at the same place before the check)
+        can never pass, and a chunk that fails is loaded again before any block is
+        reported. Blocks of the first chunk already in the cache from a local hit are not
+        scattered; the check takes their bytes from the frame. CPU caches only: a GPU
+        reads through pinned staging."""
         if self.stream is not None:
             return []
         elem = self.paged.views[0].element_size()
@@ -257,6 +258,7 @@ class IOThread:
                 if r.offset % elem == 0 and r.stride % elem == 0 and r.size == frame_len]
         if not runs:
             return []
+        read = []
         for run in runs:
             with warnings.catch_warnings():  # the mapping is read-only; we only read it
                 warnings.simplefilter("ignore", UserWarning)
@@ -265,8 +267,22 @@ class IOThread:
                                            block.HEADER_SIZE, self.m)
             ids = torch.tensor(job.block_ids[run.first:run.first + run.count],
                                dtype=torch.int64)
-            self.paged.scatter(ids, view, job.skip_first if run.first == 0 else 0)
-        return self.store.confirm(job.keys, runs)
+            skip = job.skip_first if run.first == 0 else 0
+            self.paged.scatter(ids, view, skip)
+            read.append((run, view, ids, skip))
+        buf = self.load_pool.acquire()
+        try:
+            used = self.paged.payload_view(buf.device_view, len(job.keys), buf.stride,
+                                           block.HEADER_SIZE, self.m)
+            for run, view, ids, skip in read:
+                out = used[run.first:run.first + run.count]
+                self.paged.gather(ids, out)
+                if skip:
+                    out[0, :skip].copy_(view[0, :skip])
+            return self.store.confirm(job.keys, runs,
+                                      [buf.frame(i) for i in range(len(job.keys))])
+        finally:
+            self.load_pool.release(buf)
 
     def _scatter(self, buf: FrameBuffer, job: LoadBatch, rows: list[int]) -> None:
         """Scatter staging frames 0.. into the blocks of the job's chunks `rows`."""

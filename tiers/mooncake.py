@@ -15,8 +15,9 @@ Data path (batched Mooncake calls only):
   copy. Every frame is verified (`block.verify`); one that fails is counted in `corrupt`,
   removed from the pool and from the index, and reported as MISS.
 - `locate` / `verify_in_place` (with `segment_dir`): runs of frames lying at one stride in
-  another process's segment file, handed out to be read where they lie, then checked there
-  (`tiers.mooncake_files`); the connector scatters them straight into the paged cache.
+  another process's segment file, handed out to be read where they lie, then checked
+  (`tiers.mooncake_files`); the connector scatters them straight into the paged cache and
+  has the copy it gathers back from there checked, under the header the frame has then.
 - Large batches run as a two-stage pipeline: the transfer of one chunk (in a worker thread;
   Mooncake releases the GIL) overlaps the checksum and copies of the chunk before it.
 
@@ -302,17 +303,29 @@ class MooncakeTier(Tier):
                 return None
         return InPlaceRun(0, n, mem, first, stride, size)
 
-    def verify_in_place(self, keys: Sequence[str], runs: Sequence[InPlaceRun]) -> list[int]:
-        """Check the frames of `runs` where they lie, after the caller read them; payload
-        length per key, `MISS` for a key outside the runs or whose frame failed (overwritten
-        since, or bad: `get` reads it again the usual way, which quarantines a bad one)."""
+    def verify_in_place(self, keys: Sequence[str], runs: Sequence[InPlaceRun],
+                        frames: Sequence[memoryview | None] | None = None) -> list[int]:
+        """Check the frames of `runs` after the caller read them; payload length per key,
+        `MISS` for a key outside the runs or whose frame failed (overwritten since, or bad:
+        `get` reads it again the usual way, which quarantines a bad one).
+
+        Without `frames` the check reads the frames where they lie, so it cannot see a
+        frame replaced and put back while the caller read it. With `frames`, `frames[i]`
+        holds (after a header's room) the payload the caller used for key `i`, copied back
+        from wherever it put it: the header the key's frame has now is copied in front of
+        it and that frame is checked, so what passes is byte for byte a payload stored
+        under the key, whatever happened to the segment meanwhile."""
         result = [MISS] * len(keys)
         failed = 0
         for run in runs:
             for j in range(run.count):
                 i, off = run.first + j, run.offset + j * run.stride
+                frame = run.mem[off:off + run.size]
+                if frames is not None:
+                    frame = frames[i][:run.size]
+                    frame[:HEADER_SIZE] = run.mem[off:off + HEADER_SIZE]
                 try:
-                    result[i] = verified_len(run.mem[off:off + run.size], keys[i], run.size)
+                    result[i] = verified_len(frame, keys[i], run.size)
                 except CorruptBlockError:
                     failed += 1
         if failed:

@@ -473,6 +473,36 @@ def test_pool_chunks_are_scattered_from_the_segment_file_without_a_copy(pool_sid
                                                       blocks_of(s.caches, dst[2:3])))
 
 
+def test_a_chunk_read_torn_in_place_is_caught_in_the_cache_and_loaded_again(pool_sides):
+    """What is checked is what the cache holds after the scatter: a chunk whose bytes came
+    out wrong there (a frame that changed while it was read, whole again by the check) is
+    loaded again the usual way, and no block is reported with the wrong bytes."""
+    s = pool_sides
+    tokens = random_prompt(14, 1300)
+    src, dst = list(range(0, 41)), list(range(60, 101))
+    save_prompt(s, "r1", tokens, src)
+    paged, scatter = s.worker.io.paged, s.worker.io.paged.scatter
+    torn = []
+
+    def scatter_torn(ids, rows, skip_first=0):  # the first scatter is the in-place one
+        scatter(ids, rows, skip_first)
+        if not torn:
+            page = s.caches["model.layers.0.self_attn.attn"][dst[5 * M]]
+            at = (0,) * page.dim()
+            page[at] += 1.0
+            torn.append(at)
+    paged.scatter = scatter_torn
+    try:
+        _, n = load_into(s, "r2", tokens, dst, tiers=["dram"] * 20)
+    finally:
+        del paged.scatter
+    assert torn and n == 20 * CHUNK and s.worker.get_block_ids_with_load_errors() == set()
+    assert in_place(s) == 19  # chunk 5 failed the check and was read again
+    assert s.worker.get_stats().data["counters"]["load_in_place_chunks"] == 19
+    for a, b in zip(blocks_of(s.caches, src[:40]), blocks_of(s.caches, dst[:40])):
+        assert torch.equal(a, b)
+
+
 def test_a_chunk_found_below_the_pool_splits_the_in_place_runs(pool_sides):
     s = pool_sides
     tokens = random_prompt(12, 1300)

@@ -531,6 +531,36 @@ def test_a_frame_rewritten_while_it_is_read_in_place_never_passes_the_check(lent
     assert reader.verify_in_place(keys, runs) == [MISS] * len(keys)
 
 
+def test_a_frame_replaced_and_put_back_while_read_fails_the_check_of_what_was_read(lent_file):
+    """The one change a check of the frame where it lies cannot see: the reader reads
+    another block's bytes where its frame was, and the frame is back before the check. The
+    check of the reader's own copy (`frames`) sees it; every other block still passes."""
+    from kvtier.tiers.mooncake import MIN_RUN
+    lender, reader, files = lent_file
+    keys, frames = frames_for(2 * MIN_RUN, 4096)
+    assert lender.put(keys, frames) == [True] * len(keys)
+    runs = reader.locate(keys)
+    at = {run.first + j: run.offset + j * run.stride
+          for run in runs for j in range(run.count)}
+    [seg] = files.glob("kvtier-seg-*")
+    _, [other] = frames_for(1, 4096)
+    fd = os.open(seg, os.O_WRONLY)
+    try:
+        os.pwrite(fd, bytes(other), at[3])            # block 3's space, reused
+        read = [bytearray(runs[0].mem[at[i]:at[i] + len(frames[i])]) for i in range(len(keys))]
+        os.pwrite(fd, bytes(frames[3]), at[3])        # and block 3 put back in it
+    finally:
+        os.close(fd)
+    assert read[3] == other and all(read[i] == frames[i] for i in at if i != 3)
+    want = [4096] * len(keys)
+    assert reader.verify_in_place(keys, runs) == want           # the file is whole again
+    # what the reader used: the payloads it read, behind a header's room left blank
+    copies = [memoryview(bytearray(HEADER_SIZE) + r[HEADER_SIZE:]) for r in read]
+    got = reader.verify_in_place(keys, runs, copies)
+    assert got[3] == MISS and got[:3] + got[4:] == want[:3] + want[4:]
+    assert bytes(copies[0]) == bytes(frames[0])  # the header in front is the key's own
+
+
 def test_in_place_runs_are_one_mapping_one_stride_one_size():
     from kvtier.tiers.mooncake import MIN_RUN, _runs
     a, b = memoryview(bytearray(1 << 20)), memoryview(bytearray(1 << 20))
