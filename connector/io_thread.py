@@ -6,10 +6,10 @@ scatters the chunks before the first miss into the paged cache, and reports the 
 the missed chunk and of every later chunk of the request as failed, so vLLM recomputes from
 the first of them. On a CPU cache, chunks the store can hand out where they lie (runs in
 another engine's pool segment file, `TieredStore.locate`) are scattered from there, without
-the copy into staging, then gathered back from the cache and checked. A save batch arrives already
-gathered into a staging buffer (by the main thread, in `wait_for_save`); here it is sealed
-(header + checksum) and written through the store. A failed save is only a future miss: it
-is counted and logged, never retried inline.
+the copy into staging, then gathered back from the cache and checked. A save batch arrives
+already gathered into a staging buffer (by the main thread, in `wait_for_save`); here it is
+sealed (header + checksum) and written through the store. A failed save is only a future
+miss: it is counted and logged, never retried inline.
 
 Thread safety: `submit_*` are called from the model-runner thread; results are taken with
 `take_results`. A synchronous load (`load_now`) runs in the model-runner thread itself,

@@ -189,7 +189,8 @@ class TieredStore:
                 frames: Sequence | None = None) -> list[int]:
         """After reading `runs` (from `locate`): payload length per key of what was read
         intact, else `MISS` (load those the usual way). `frames`: the caller's copies of
-        what it used, to check instead of the frames where they lie (`Tier.verify_in_place`)."""
+        what it used, to check instead of the frames where they lie
+        (`Tier.verify_in_place`)."""
         got = self.tiers[0].verify_in_place(keys, runs, frames)
         hits = [k for k, n in zip(keys, got) if n != MISS]
         if hits:

@@ -102,7 +102,8 @@ def gap_info(w: Workload, seed: int = 0) -> dict | None:
     spread = float(y[test].std())
     by_class = float(np.sqrt(np.mean((y - base)[test] ** 2)))
     by_all = float(np.sqrt(np.mean((y - full)[test] ** 2)))
-    return {"gaps": int(len(y)), "held_out": int(test.sum()), "classes": len(np.unique(g["cls"])),
+    return {"gaps": int(len(y)), "held_out": int(test.sum()),
+            "classes": len(np.unique(g["cls"])),
             "spread": spread, "class_residual": by_class, "residual": by_all,
             "explained_within_class": 1.0 - by_all ** 2 / by_class ** 2 if by_class else 0.0,
             "told_sigma_class": told_sigma(by_class, spread),
