@@ -6,10 +6,10 @@ scatters the chunks before the first miss into the paged cache, and reports the 
 the missed chunk and of every later chunk of the request as failed, so vLLM recomputes from
 the first of them. On a CPU cache, chunks the store can hand out where they lie (runs in
 another engine's pool segment file, `TieredStore.locate`) are scattered from there, without
-the copy into staging, then gathered back from the cache and checked. A save batch arrives
-already gathered into a staging buffer (by the main thread, in `wait_for_save`); here it is
-sealed (header + checksum) and written through the store. A failed save is only a future
-miss: it is counted and logged, never retried inline.
+the copy into staging, and what landed in the cache is checked. A save batch arrives already
+gathered into a staging buffer (by the main thread, in `wait_for_save`); here it is sealed
+(header + checksum) and written through the store. A failed save is only a future miss: it
+is counted and logged, never retried inline.
 
 Thread safety: `submit_*` are called from the model-runner thread; results are taken with
 `take_results`. A synchronous load (`load_now`) runs in the model-runner thread itself,
@@ -242,14 +242,14 @@ class IOThread:
         segment, mapped from its file) straight into the paged cache, then have the store
         check them; payload length per chunk, `MISS` for those left to `store.load`.
 
-        What is checked is what the cache now holds: the scattered blocks are gathered back
-        into staging (one memory pass) and checked against the header their key's frame
-        has at check time. So a frame that changed while it was read (even one removed,
-        its space reused, and the same key put back at the same place before the check)
-        can never pass, and a chunk that fails is loaded again before any block is
-        reported. Blocks of the first chunk already in the cache from a local hit are not
-        scattered; the check takes their bytes from the frame. CPU caches only: a GPU
-        reads through pinned staging."""
+        What is checked is what the cache now holds: its checksums of the scattered blocks
+        (read where they lie; gathered into staging first where pages are not contiguous)
+        against the header their key's frame has at check time. So a frame that changed
+        while it was read (even one removed, its space reused, and the same key put back at
+        the same place before the check) can never pass, and a chunk that fails is loaded
+        again before any block is reported. Blocks of the first chunk already in the cache
+        from a local hit are not scattered; their bytes for the check are the frame's. CPU
+        caches only: a GPU reads through pinned staging."""
         if self.stream is not None:
             return []
         elem = self.paged.views[0].element_size()
@@ -258,29 +258,37 @@ class IOThread:
                 if r.offset % elem == 0 and r.stride % elem == 0 and r.size == frame_len]
         if not runs:
             return []
-        read = []
+        sums: list[int | None] = [None] * len(job.keys)
         for run in runs:
             with warnings.catch_warnings():  # the mapping is read-only; we only read it
                 warnings.simplefilter("ignore", UserWarning)
                 mem = torch.frombuffer(run.mem, dtype=torch.uint8)
             view = self.paged.payload_view(mem[run.offset:], run.count, run.stride,
                                            block.HEADER_SIZE, self.m)
-            ids = torch.tensor(job.block_ids[run.first:run.first + run.count],
-                               dtype=torch.int64)
+            rows = job.block_ids[run.first:run.first + run.count]
             skip = job.skip_first if run.first == 0 else 0
-            self.paged.scatter(ids, view, skip)
-            read.append((run, view, ids, skip))
+            self.paged.scatter(torch.tensor(rows, dtype=torch.int64), view, skip)
+            head = run.mem[run.offset + block.HEADER_SIZE:run.offset + frame_len]
+            got = self.paged.checksums(rows, skip, head)
+            if got is None:
+                got = self._checksums_of_copy(rows, skip, view)
+            sums[run.first:run.first + run.count] = got
+        return self.store.confirm(job.keys, runs, sums)
+
+    def _checksums_of_copy(self, rows: list[list[int]], skip: int,
+                           view: torch.Tensor) -> list[int]:
+        """`PagedKV.checksums` for layouts it cannot read where they lie: gather the blocks
+        into staging (one memory pass more) and checksum each payload there."""
         buf = self.load_pool.acquire()
         try:
-            used = self.paged.payload_view(buf.device_view, len(job.keys), buf.stride,
-                                           block.HEADER_SIZE, self.m)
-            for run, view, ids, skip in read:
-                out = used[run.first:run.first + run.count]
-                self.paged.gather(ids, out)
-                if skip:
-                    out[0, :skip].copy_(view[0, :skip])
-            return self.store.confirm(job.keys, runs,
-                                      [buf.frame(i) for i in range(len(job.keys))])
+            out = self.paged.payload_view(buf.device_view, len(rows), buf.stride,
+                                          block.HEADER_SIZE, self.m)
+            self.paged.gather(torch.tensor(rows, dtype=torch.int64), out)
+            if skip:
+                out[0, :skip].copy_(view[0, :skip])
+            return [block.payload_checksum(buf.frame(i)[block.HEADER_SIZE:
+                                                        block.HEADER_SIZE + self.payload_len])
+                    for i in range(len(rows))]
         finally:
             self.load_pool.release(buf)
 

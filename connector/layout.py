@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.store import block
 from kvtier.store.errors import KVTierError
 
 PAYLOAD_FORMAT = "kvtier-v1:BL-HNC"
@@ -126,6 +127,7 @@ class PagedKV:
         canon = (heads, block_size, elems // (heads * block_size))
         self.info = LayoutInfo("/".join(sorted(kinds)), len(views), canon, views[0].dtype,
                                self.fused is not None)
+        self._spans = _page_spans(views)
 
     def payload_view(self, frames: torch.Tensor, n_chunks: int, stride: int, header: int,
                      blocks_per_chunk: int) -> torch.Tensor:
@@ -165,6 +167,41 @@ class PagedKV:
             else:
                 for layer, v in enumerate(self.views):
                     _index_copy(v, ids, rows[:, layer])
+
+
+    def checksums(self, block_ids: list[list[int]], skip_first: int = 0,
+                  first: memoryview | None = None) -> list[int] | None:
+        """Per row of `block_ids`, the payload checksum (`block.checksum_of`) of its blocks
+        as the cache holds them, in the payload's order (block, layer, page), read where
+        they lie: no copy. The first `skip_first` blocks of row 0 are taken from `first`
+        (that chunk's payload, as stored) instead. None where pages are not each one
+        contiguous span of host memory (then gather the blocks and checksum the copy)."""
+        if self._spans is None:
+            return None
+        spans, page, step = self._spans, self.info.page_bytes, self.info.block_bytes
+        out = []
+        for i, row in enumerate(block_ids):
+            skip = skip_first if i == 0 else 0
+            pieces = [first[j * step:(j + 1) * step] for j in range(skip)]
+            pieces += [mem[at + b * stride:at + b * stride + page]
+                       for b in row[skip:] for mem, at, stride in spans]
+            out.append(block.checksum_of(pieces))
+        return out
+
+
+def _page_spans(views: list[torch.Tensor]) -> list[tuple[memoryview, int, int]] | None:
+    """Per layer: a byte view of its storage, where block 0's page starts in it, and the
+    bytes from one block to the next; None unless on the host with every page contiguous."""
+    spans = []
+    for v in views:
+        if v.device.type != "cpu" or not v[0].is_contiguous():
+            return None
+        storage = v.untyped_storage()
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+        elem = v.element_size()
+        spans.append((memoryview(whole.numpy()), v.storage_offset() * elem,
+                       v.stride(0) * elem))
+    return spans
 
 
 def _index_copy(dst: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import xxhash
@@ -61,6 +62,14 @@ def alloc_aligned(nbytes: int) -> memoryview:
 
 def payload_checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def checksum_of(pieces: Iterable[memoryview | bytes]) -> int:
+    """`payload_checksum` of the pieces one after another, without joining them."""
+    h = xxhash.xxh3_64()
+    for piece in pieces:
+        h.update(piece)
+    return h.intdigest()
 
 
 def seal(frame: memoryview | bytearray, key: str, payload_len: int, flags: int = 0) -> Header:
@@ -141,6 +150,26 @@ def verified_len(frame: memoryview, key: str, length: int) -> int:
         if end <= length and payload_checksum(frame[HEADER_SIZE:end]) == checksum:
             return plen
     return verify(frame, key, length).payload_len
+
+
+def verify_used(head: memoryview | bytes, key: str, payload_len: int, checksum: int) -> None:
+    """Check that a payload a reader used (`payload_len` bytes of this checksum, which it
+    computed over its own copy) is the one the header `head`, read from the frame after
+    the payload, seals for `key`; raises CorruptBlockError with the reason."""
+    head = bytes(head[:HEADER_SIZE])
+    if (len(head) == HEADER_SIZE and head[:8] == _FIXED
+            and xxhash.xxh32_intdigest(head[:_BODY.size]) == _CRC.unpack_from(head, _BODY.size)[0]
+            and head[KEY_AT:KEY_AT + KEY_LEN] == bytes.fromhex(key)
+            and _LEN_SUM.unpack_from(head, 36) == (payload_len, checksum)):
+        return
+    header = parse_header(head)
+    if header.key != key:
+        what = "namespace" if header.namespace != key[:NS_HEX] else "key"
+        raise CorruptBlockError(f"block belongs to another {what}")
+    if header.payload_len != payload_len:
+        raise CorruptBlockError(f"payload of {payload_len} bytes read, the frame has "
+                                f"{header.payload_len}")
+    raise CorruptBlockError("payload read differs from the frame's (checksum mismatch)")
 
 
 def payload(frame: memoryview | bytes) -> memoryview:

@@ -186,12 +186,12 @@ class TieredStore:
         return out
 
     def confirm(self, keys: Sequence[str], runs: Sequence,
-                frames: Sequence | None = None) -> list[int]:
+                checksums: Sequence | None = None) -> list[int]:
         """After reading `runs` (from `locate`): payload length per key of what was read
-        intact, else `MISS` (load those the usual way). `frames`: the caller's copies of
-        what it used, to check instead of the frames where they lie
+        intact, else `MISS` (load those the usual way). `checksums`: the caller's, of the
+        payloads it used, to check instead of the frames where they lie
         (`Tier.verify_in_place`)."""
-        got = self.tiers[0].verify_in_place(keys, runs, frames)
+        got = self.tiers[0].verify_in_place(keys, runs, checksums)
         hits = [k for k, n in zip(keys, got) if n != MISS]
         if hits:
             self.placement.on_hit(self.tiers[0], hits)

@@ -10,9 +10,9 @@ Primitives (batched only; a miss is a value, never an exception):
   `outs[i][0:HEADER_SIZE + n]`), or `MISS`.
 - `delete(keys) -> int`: how many were removed.
 - `capacity_bytes`, `used_bytes()`, `counters()`, `close()`.
-- optional: `locate(keys)` and `verify_in_place(keys, runs, frames)`, reads without a copy
-  where a tier can offer them (the pool's segment files); a caller uses only what the
-  second confirms, after it has read the bytes (best: its own copy of what it used).
+- optional: `locate(keys)` and `verify_in_place(keys, runs, checksums)`, reads without a
+  copy where a tier can offer them (the pool's segment files); a caller uses only what the
+  second confirms, after it has read the bytes (best: checksums of what it used).
 
 Callers guarantee:
 - keys are well-formed block keys (`keys.check_key`); `frames[i]` is sealed for `keys[i]`;
@@ -133,9 +133,10 @@ class Tier(ABC):
         return []
 
     def verify_in_place(self, keys: Sequence[str], runs: Sequence,
-                        frames: Sequence | None = None) -> list[int]:
+                        checksums: Sequence | None = None) -> list[int]:
         """Payload length per key of what `runs` hold, checked where it lies (or, with
-        `frames`, the caller's copy of what it used, see `MooncakeTier`), or `MISS`."""
+        `checksums`, the caller's checksums of what it used, see `MooncakeTier`), or
+        `MISS`."""
         return [MISS] * len(keys)
 
     def check(self, progress=None) -> list[Problem]:

@@ -17,7 +17,7 @@ Data path (batched Mooncake calls only):
 - `locate` / `verify_in_place` (with `segment_dir`): runs of frames lying at one stride in
   another process's segment file, handed out to be read where they lie, then checked
   (`tiers.mooncake_files`); the connector scatters them straight into the paged cache and
-  has the copy it gathers back from there checked, under the header the frame has then.
+  has its checksums of what landed there checked against the header the frame has then.
 - Large batches run as a two-stage pipeline: the transfer of one chunk (in a worker thread;
   Mooncake releases the GIL) overlaps the checksum and copies of the chunk before it.
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvtier.store.block import (HEADER_SIZE, KEY_AT, KEY_LEN, parse_header, verified_len,
-                                verify)
+                                verify, verify_used)
 from kvtier.store.config import MooncakeTierConfig
 from kvtier.store.errors import CorruptBlockError
 from kvtier.tiers import mooncake_check
@@ -304,28 +304,28 @@ class MooncakeTier(Tier):
         return InPlaceRun(0, n, mem, first, stride, size)
 
     def verify_in_place(self, keys: Sequence[str], runs: Sequence[InPlaceRun],
-                        frames: Sequence[memoryview | None] | None = None) -> list[int]:
+                        checksums: Sequence[int | None] | None = None) -> list[int]:
         """Check the frames of `runs` after the caller read them; payload length per key,
         `MISS` for a key outside the runs or whose frame failed (overwritten since, or bad:
         `get` reads it again the usual way, which quarantines a bad one).
 
-        Without `frames` the check reads the frames where they lie, so it cannot see a
-        frame replaced and put back while the caller read it. With `frames`, `frames[i]`
-        holds (after a header's room) the payload the caller used for key `i`, copied back
-        from wherever it put it: the header the key's frame has now is copied in front of
-        it and that frame is checked, so what passes is byte for byte a payload stored
-        under the key, whatever happened to the segment meanwhile."""
+        Without `checksums` the check reads each frame where it lies, so it cannot see a
+        frame replaced and put back while the caller read it. With them, `checksums[i]` is
+        the caller's checksum of the payload it used for key `i`, computed where it put
+        it: that must be what the header the key's frame has now seals, so what passes is
+        byte for byte a payload stored under the key, whatever the segment went through."""
         result = [MISS] * len(keys)
         failed = 0
         for run in runs:
+            plen = run.size - HEADER_SIZE
             for j in range(run.count):
                 i, off = run.first + j, run.offset + j * run.stride
-                frame = run.mem[off:off + run.size]
-                if frames is not None:
-                    frame = frames[i][:run.size]
-                    frame[:HEADER_SIZE] = run.mem[off:off + HEADER_SIZE]
                 try:
-                    result[i] = verified_len(frame, keys[i], run.size)
+                    if checksums is None:
+                        result[i] = verified_len(run.mem[off:off + run.size], keys[i], run.size)
+                    else:
+                        verify_used(run.mem[off:off + HEADER_SIZE], keys[i], plen, checksums[i])
+                        result[i] = plen
                 except CorruptBlockError:
                     failed += 1
         if failed:

@@ -123,6 +123,34 @@ def test_gather_gives_canonical_payload(case):
     assert gather_payloads(paged, ids) == expected_payloads(content, ids)
 
 
+CONTIGUOUS_PAGES = {"vllm-LBHNC", "vllm-BLHNC"}  # each page one span of memory
+
+
+@pytest.mark.parametrize("case", ALL, ids=IDS)
+def test_checksums_read_in_the_cache_are_those_of_the_stored_payloads(case):
+    """`checksums` reads each page where it lies (layouts whose pages are contiguous) and
+    equals the checksum of the gathered payload; the first blocks of row 0 come from the
+    stored payload given; other layouts say None (the caller gathers and checksums)."""
+    content = logical_content(2)
+    caches, _ = build(case, content)
+    paged = PagedKV(caches, NB, BS)
+    ids = torch.tensor([[5, 2], [17, 3], [9, 23]])
+    payloads = gather_payloads(paged, ids)
+    size = M * paged.info.block_bytes
+    want = [block.payload_checksum(payloads[i * size:(i + 1) * size]) for i in range(3)]
+    got = paged.checksums(ids.tolist())
+    name = IDS[ALL.index(case)]
+    if name not in CONTIGUOUS_PAGES:
+        assert got is None
+        return
+    assert got == want
+    stored = memoryview(payloads[:size])
+    elsewhere = [[40, 2], [17, 3], [9, 23]]   # block 40 is not block 5, but skipped
+    assert paged.checksums(elsewhere, 1, stored) == want
+    assert paged.checksums(elsewhere)[0] != want[0]
+    assert paged.checksums([[5, 2], [40, 3]], 1, stored)[1] != want[1]  # row 0 only
+
+
 @pytest.mark.parametrize("dst_case", ALL, ids=IDS)
 def test_round_trip_across_layouts(dst_case):
     content = logical_content(1)

@@ -109,3 +109,27 @@ def test_verified_len_accepts_and_refuses_exactly_what_verify_does():
         verified_len(memoryview(frame), other, len(frame))
     with pytest.raises(CorruptBlockError, match="truncated"):
         verified_len(memoryview(frame), key, len(frame) - 1)
+
+
+@given(st.lists(st.binary(max_size=300), max_size=8))
+def test_checksum_of_pieces_is_the_checksum_of_them_joined(pieces):
+    assert block.checksum_of(pieces) == block.payload_checksum(b"".join(pieces))
+
+
+def test_a_used_payload_passes_only_under_its_own_header():
+    """`verify_used`: the checksum a reader computed of what it used must be the one the
+    frame's header seals, for the key asked, at the length read."""
+    payload = bytes(range(256)) * 4
+    head = bytes(block.encode(KEY, payload)[:block.HEADER_SIZE])
+    good = block.payload_checksum(payload)
+    block.verify_used(head, KEY, len(payload), good)
+    for args, reason in [((KEY, len(payload), good ^ 1), "differs from the frame"),
+                         ((KEY, len(payload) - 1, good), "1023 bytes read"),
+                         ((OTHER_NS, len(payload), good), "another namespace"),
+                         ((OTHER_CHAIN, len(payload), good), "another key")]:
+        with pytest.raises(CorruptBlockError, match=reason):
+            block.verify_used(head, *args)
+    torn = bytearray(head)
+    torn[40] ^= 1
+    with pytest.raises(CorruptBlockError, match="header checksum"):
+        block.verify_used(bytes(torn), KEY, len(payload), good)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_policy, metric_sum, start_master, wait_until
-from kvtier.store.block import HEADER_SIZE, alloc_aligned, encode
+from kvtier.store.block import HEADER_SIZE, alloc_aligned, encode, payload_checksum
 from kvtier.store.config import MasterConfig
 from kvtier.store.errors import TierError, TierFullError, TierUnavailableError
 from kvtier.store.index import Index
@@ -554,11 +554,12 @@ def test_a_frame_replaced_and_put_back_while_read_fails_the_check_of_what_was_re
     assert read[3] == other and all(read[i] == frames[i] for i in at if i != 3)
     want = [4096] * len(keys)
     assert reader.verify_in_place(keys, runs) == want           # the file is whole again
-    # what the reader used: the payloads it read, behind a header's room left blank
-    copies = [memoryview(bytearray(HEADER_SIZE) + r[HEADER_SIZE:]) for r in read]
-    got = reader.verify_in_place(keys, runs, copies)
+    used = [payload_checksum(r[HEADER_SIZE:]) for r in read]  # of what the reader used
+    got = reader.verify_in_place(keys, runs, used)
     assert got[3] == MISS and got[:3] + got[4:] == want[:3] + want[4:]
-    assert bytes(copies[0]) == bytes(frames[0])  # the header in front is the key's own
+    used[3] = payload_checksum(frames[3][HEADER_SIZE:])       # had it read block 3 whole
+    assert reader.verify_in_place(keys, runs, used) == want
+    assert reader.verify_in_place(keys[1:] + keys[:1], runs, used) == [MISS] * len(keys)
 
 
 def test_in_place_runs_are_one_mapping_one_stride_one_size():
