@@ -9,7 +9,8 @@ then times, for `--blocks` scattered blocks moved in `--chunk-tokens` chunks:
 - ceiling: a plain bulk copy of the same bytes between a device buffer and pinned memory;
 - per-block: the naive loop (one `copy_` per block and layer), for contrast.
 
-and checks that a save followed by a load into other blocks restores every byte. Reports
+and checks that a save followed by a load into other blocks restores every byte. On the CPU it
+also times the check after an in-place load three ways (`check_seconds`). Reports
 GB/s of payload and the ratio to the ceiling (target: >= 85%). With `--io-thread` it also
 runs the connector's I/O thread end to end on the device (`stage_save` on the compute
 stream, sealing and the event wait in the thread, loads on its side stream) against an
@@ -110,12 +111,58 @@ def run(args) -> dict:
             **ceiling_seconds(buf, device, args.reps)}
     if args.per_block:
         secs["per_block_d2h"] = per_block_seconds(paged, src_ids, device, args.reps)
+    checks = {}
+    if device.type == "cpu":
+        checks = check_seconds(paged, buf, dst_ids.tolist(), payload, args.reps)
+        secs.update(checks)
     gbps = {k: round(n * payload / s / 1e9, 2) for k, s in secs.items()}
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "layout": args.layout, "fused": paged.info.fused, "blocks": n * m, "chunks": n,
             "payload_bytes": n * payload, "round_trip_ok": ok, "GB/s": gbps,
             "save_vs_ceiling": round(gbps["save"] / gbps["ceiling_d2h"], 3),
-            "load_vs_ceiling": round(gbps["load"] / gbps["ceiling_h2d"], 3)}
+            "load_vs_ceiling": round(gbps["load"] / gbps["ceiling_h2d"], 3),
+            **({"check_ms": {k: round(v * 1e3, 2) for k, v in checks.items()}} if checks
+               else {})}
+
+
+def check_seconds(paged: PagedKV, buf: FrameBuffer, rows: list[list[int]], payload: int,
+                  reps: int) -> dict[str, float]:
+    """The check after an in-place load (CPU), three ways, over the frames in `buf` (sealed
+    here) and the blocks `rows` they were scattered to: `check_frame` checksums each frame
+    where it lies (the check before 2026-12-01, blind to a frame replaced and put back
+    while read); `check_cache` checksums the blocks where they lie in the cache and checks
+    the sums against the headers (`PagedKV.checksums`, what the connector does when pages
+    are contiguous); `check_copy` gathers them into staging first (other layouts). Each
+    must pass every chunk."""
+    n, size = len(rows), block.HEADER_SIZE + payload
+    keys = [f"{i:048x}" for i in range(n)]
+    for i, key in enumerate(keys):
+        block.seal(buf.frame(i), key, payload)
+    copy = FrameBuffer(n, buf.stride, torch.device("cpu"))
+    out = paged.payload_view(copy.device_view, n, copy.stride, block.HEADER_SIZE,
+                             len(rows[0]))
+    ids = torch.tensor(rows, dtype=torch.int64)
+
+    def by_frame():
+        return [block.verified_len(buf.frame(i)[:size], keys[i], size) for i in range(n)]
+
+    def by_sums(sums):
+        for i in range(n):
+            block.verify_used(buf.frame(i)[:block.HEADER_SIZE], keys[i], payload, sums[i])
+        return sums
+
+    def by_copy():
+        paged.gather(ids, out)
+        return by_sums([block.payload_checksum(copy.frame(i)[block.HEADER_SIZE:size])
+                        for i in range(n)])
+    by_frame(), by_copy()   # raise here if any chunk fails
+    device = torch.device("cpu")
+    secs = {"check_frame": timed(by_frame, device, reps),
+            "check_copy": timed(by_copy, device, reps)}
+    if paged.checksums(rows) is not None:
+        by_sums(paged.checksums(rows))
+        secs["check_cache"] = timed(lambda: by_sums(paged.checksums(rows)), device, reps)
+    return secs
 
 
 def ceiling_seconds(buf: FrameBuffer, device, reps: int) -> dict[str, float]:
