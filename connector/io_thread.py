@@ -268,8 +268,8 @@ class IOThread:
             rows = job.block_ids[run.first:run.first + run.count]
             skip = job.skip_first if run.first == 0 else 0
             self.paged.scatter(torch.tensor(rows, dtype=torch.int64), view, skip)
-            head = run.mem[run.offset + block.HEADER_SIZE:run.offset + frame_len]
-            got = self.paged.checksums(rows, skip, head)
+            first = run.mem[run.offset + block.HEADER_SIZE:run.offset + frame_len]
+            got = self.paged.checksums(rows, skip, first)
             if got is None:
                 got = self._checksums_of_copy(rows, skip, view)
             sums[run.first:run.first + run.count] = got

@@ -168,7 +168,6 @@ class PagedKV:
                 for layer, v in enumerate(self.views):
                     _index_copy(v, ids, rows[:, layer])
 
-
     def checksums(self, block_ids: list[list[int]], skip_first: int = 0,
                   first: memoryview | None = None) -> list[int] | None:
         """Per row of `block_ids`, the payload checksum (`block.checksum_of`) of its blocks

@@ -322,9 +322,11 @@ class MooncakeTier(Tier):
                 i, off = run.first + j, run.offset + j * run.stride
                 try:
                     if checksums is None:
-                        result[i] = verified_len(run.mem[off:off + run.size], keys[i], run.size)
+                        result[i] = verified_len(run.mem[off:off + run.size], keys[i],
+                                                 run.size)
                     else:
-                        verify_used(run.mem[off:off + HEADER_SIZE], keys[i], plen, checksums[i])
+                        verify_used(run.mem[off:off + HEADER_SIZE], keys[i], plen,
+                                    checksums[i])
                         result[i] = plen
                 except CorruptBlockError:
                     failed += 1
