@@ -493,18 +493,25 @@ def test_blocks_in_a_segment_file_are_located_in_runs_and_checked_where_they_lie
     assert reader.counters()["corrupt"] == 1 and lender.contains(keys[5:6]) == [False]
 
 
+def put_and_locate(lender, reader, n: int):
+    """`n` fresh 4 KiB frames put by the lender and located by the reader: keys, frames,
+    runs, and where in the segment each frame lies (every one in a run)."""
+    keys, frames = frames_for(n, 4096)
+    assert lender.put(keys, frames) == [True] * len(keys)
+    runs = reader.locate(keys)
+    at = {run.first + j: run.offset + j * run.stride
+          for run in runs for j in range(run.count)}
+    assert sorted(at) == list(range(len(keys)))
+    return keys, frames, runs, at
+
+
 def test_a_frame_rewritten_while_it_is_read_in_place_never_passes_the_check(lent_file):
     """Reading first and checking after is safe against a frame that changes meanwhile
     (its space reused by another block): whatever `verify_in_place` confirms equals what
     the reader read before, even with the frames rewritten under it while it reads."""
     from kvtier.tiers.mooncake import MIN_RUN
     lender, reader, files = lent_file
-    keys, frames = frames_for(4 * MIN_RUN, 4096)
-    assert lender.put(keys, frames) == [True] * len(keys)
-    runs = reader.locate(keys)
-    at = {run.first + j: run.offset + j * run.stride
-          for run in runs for j in range(run.count)}
-    assert sorted(at) == list(range(len(keys)))
+    keys, frames, runs, at = put_and_locate(lender, reader, 4 * MIN_RUN)
     [seg] = files.glob("kvtier-seg-*")
     _, others = frames_for(len(keys), 4096)  # what lands where each frame was
 
@@ -534,14 +541,11 @@ def test_a_frame_rewritten_while_it_is_read_in_place_never_passes_the_check(lent
 def test_a_frame_replaced_and_put_back_while_read_fails_the_check_of_what_was_read(lent_file):
     """The one change a check of the frame where it lies cannot see: the reader reads
     another block's bytes where its frame was, and the frame is back before the check. The
-    check of the reader's own copy (`frames`) sees it; every other block still passes."""
+    check of checksums of what the reader used (`checksums`) sees it; every other block
+    still passes."""
     from kvtier.tiers.mooncake import MIN_RUN
     lender, reader, files = lent_file
-    keys, frames = frames_for(2 * MIN_RUN, 4096)
-    assert lender.put(keys, frames) == [True] * len(keys)
-    runs = reader.locate(keys)
-    at = {run.first + j: run.offset + j * run.stride
-          for run in runs for j in range(run.count)}
+    keys, frames, runs, at = put_and_locate(lender, reader, 2 * MIN_RUN)
     [seg] = files.glob("kvtier-seg-*")
     _, [other] = frames_for(1, 4096)
     fd = os.open(seg, os.O_WRONLY)
