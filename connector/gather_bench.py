@@ -155,12 +155,11 @@ def check_seconds(paged: PagedKV, buf: FrameBuffer, rows: list[list[int]], paylo
         paged.gather(ids, out)
         return by_sums([block.payload_checksum(copy.frame(i)[block.HEADER_SIZE:size])
                         for i in range(n)])
-    by_frame(), by_copy()   # raise here if any chunk fails
+    by_frame(), by_copy()   # raise here if any chunk fails (`by_sums` raises too)
     device = torch.device("cpu")
     secs = {"check_frame": timed(by_frame, device, reps),
             "check_copy": timed(by_copy, device, reps)}
-    if paged.checksums(rows) is not None:
-        by_sums(paged.checksums(rows))
+    if paged.checksums(rows) is not None:   # the layout's pages lie in one span each
         secs["check_cache"] = timed(lambda: by_sums(paged.checksums(rows)), device, reps)
     return secs
 
