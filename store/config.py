@@ -153,8 +153,8 @@ class MooncakeTierConfig(BaseModel):
     # the file, with no transfer (`tiers.mooncake_files`). Embedded clients only.
     segment_dir: str | None = None
     # With `segment_dir`: a CPU engine scatters the blocks it loads straight out of a
-    # lender's file and checks them there after (README, "Segments in files"); false copies
-    # each frame and checks the copy first, which closes the one gap reading in place has.
+    # lender's file and checks what landed in its cache after (README, "Segments in
+    # files"); false copies each frame and checks the copy first (~5 ms more per 16K hit).
     read_in_place: bool = True
     eviction: EvictionConfig | None = None
 

@@ -6,9 +6,10 @@ Primitives (batched; a miss is a value):
   LMDB read transaction, one stat batch).
 - `load(keys, outs) -> list[int]`: each block from the fastest tier that holds it, verified;
   payload length or `MISS`. A hit below the first tier may schedule a promotion.
-- `locate(keys, where)` then `confirm(keys, runs)`: blocks of the first tier the caller may
-  read where they lie (another process's pool segment mapped from its file), then check
-  there; only what `confirm` returns may be used (the rest goes through `load`).
+- `locate(keys, where)` then `confirm(keys, runs, checksums)`: blocks of the first tier the
+  caller may read where they lie (another process's pool segment mapped from its file), then
+  check by the checksums of what it used; only what `confirm` returns may be used (the rest
+  goes through `load`).
 - `save(keys, frames, hint) -> list[bool]`: write-through to the first tier that answers,
   deduplicated by key; the mover then persists admitted blocks to the capacity tiers in the
   background (from copies of the frames when that tier may drop them first, see
@@ -164,7 +165,7 @@ class TieredStore:
     def locate(self, keys: Sequence[str], where: Sequence[str | None] | None = None) -> list:
         """Runs of blocks the first tier lets the caller read where they lie, without a copy
         (`Tier.locate`; block indices refer to `keys`). Only blocks the lookup found there
-        (`where`) are asked about. Unverified: read them, then `confirm` before use."""
+        (`where`) are asked about. Unverified: read them, then `confirm` what was used."""
         first = self.tiers[0]
         idx = [i for i in range(len(keys)) if where is None or where[i] == first.name]
         if not idx:
@@ -185,12 +186,10 @@ class TieredStore:
                     start = j
         return out
 
-    def confirm(self, keys: Sequence[str], runs: Sequence,
-                checksums: Sequence | None = None) -> list[int]:
+    def confirm(self, keys: Sequence[str], runs: Sequence, checksums: Sequence) -> list[int]:
         """After reading `runs` (from `locate`): payload length per key of what was read
         intact, else `MISS` (load those the usual way). `checksums`: the caller's, of the
-        payloads it used, to check instead of the frames where they lie
-        (`Tier.verify_in_place`)."""
+        payloads it used, where it used them (`Tier.verify_in_place`)."""
         got = self.tiers[0].verify_in_place(keys, runs, checksums)
         hits = [k for k, n in zip(keys, got) if n != MISS]
         if hits:

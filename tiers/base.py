@@ -12,7 +12,7 @@ Primitives (batched only; a miss is a value, never an exception):
 - `capacity_bytes`, `used_bytes()`, `counters()`, `close()`.
 - optional: `locate(keys)` and `verify_in_place(keys, runs, checksums)`, reads without a
   copy where a tier can offer them (the pool's segment files); a caller uses only what the
-  second confirms, after it has read the bytes (best: checksums of what it used).
+  second confirms, given checksums of the bytes the caller used.
 
 Callers guarantee:
 - keys are well-formed block keys (`keys.check_key`); `frames[i]` is sealed for `keys[i]`;
@@ -129,14 +129,14 @@ class Tier(ABC):
     def locate(self, keys: Sequence[str]) -> list:
         """Runs of `keys` the caller may read where they lie, without a copy (see
         `MooncakeTier.locate`); none by default. Bytes read so are unverified: the caller
-        must call `verify_in_place` after reading and use only what it confirms."""
+        must call `verify_in_place` with checksums of what it used, and use only what that
+        confirms."""
         return []
 
     def verify_in_place(self, keys: Sequence[str], runs: Sequence,
-                        checksums: Sequence | None = None) -> list[int]:
-        """Payload length per key of what `runs` hold, checked where it lies (or, with
-        `checksums`, the caller's checksums of what it used, see `MooncakeTier`), or
-        `MISS`."""
+                        checksums: Sequence) -> list[int]:
+        """Payload length per key of what the caller read from `runs`, whose payloads it
+        checksummed where it used them (`checksums`, see `MooncakeTier`), or `MISS`."""
         return [MISS] * len(keys)
 
     def check(self, progress=None) -> list[Problem]:

@@ -304,16 +304,16 @@ class MooncakeTier(Tier):
         return InPlaceRun(0, n, mem, first, stride, size)
 
     def verify_in_place(self, keys: Sequence[str], runs: Sequence[InPlaceRun],
-                        checksums: Sequence[int | None] | None = None) -> list[int]:
-        """Check the frames of `runs` after the caller read them; payload length per key,
-        `MISS` for a key outside the runs or whose frame failed (overwritten since, or bad:
-        `get` reads it again the usual way, which quarantines a bad one).
+                        checksums: Sequence[int | None]) -> list[int]:
+        """Check what the caller read from `runs`; payload length per key, `MISS` for a key
+        outside the runs or whose frame failed (overwritten since, or bad: `get` reads it
+        again the usual way, which quarantines a bad one).
 
-        Without `checksums` the check reads each frame where it lies, so it cannot see a
-        frame replaced and put back while the caller read it. With them, `checksums[i]` is
-        the caller's checksum of the payload it used for key `i`, computed where it put
-        it: that must be what the header the key's frame has now seals, so what passes is
-        byte for byte a payload stored under the key, whatever the segment went through."""
+        `checksums[i]` is the caller's checksum of the payload it used for key `i`,
+        computed where it put it: that must be what the header the key's frame has now
+        seals. So what passes is byte for byte a payload stored under the key, whatever the
+        segment went through; a check of the frame where it lies could not see one replaced
+        and put back while it was read."""
         result = [MISS] * len(keys)
         failed = 0
         for run in runs:
@@ -321,13 +321,8 @@ class MooncakeTier(Tier):
             for j in range(run.count):
                 i, off = run.first + j, run.offset + j * run.stride
                 try:
-                    if checksums is None:
-                        result[i] = verified_len(run.mem[off:off + run.size], keys[i],
-                                                 run.size)
-                    else:
-                        verify_used(run.mem[off:off + HEADER_SIZE], keys[i], plen,
-                                    checksums[i])
-                        result[i] = plen
+                    verify_used(run.mem[off:off + HEADER_SIZE], keys[i], plen, checksums[i])
+                    result[i] = plen
                 except CorruptBlockError:
                     failed += 1
         if failed:

@@ -8,7 +8,7 @@ lies (`batch_get_replica_desc`: the lending client's transport endpoint and the 
 its mapping, under a lease, so the master neither evicts nor moves it meanwhile), maps the
 same file read-only and copies the frame out: no transfer engine, no CPU of the lender. A
 caller that can read frames where they lie (the connector's CPU scatter) takes runs of them
-from `MooncakeTier.locate` instead, and has them checked there after its read.
+from `MooncakeTier.locate` instead, and has its checksums of what it used checked after.
 
 Names: `kvtier-seg-<host>_<port>-<base hex>-<pid>.mem`, where `<host>:<port>` is the lender's
 transport endpoint (what replica descriptors name) and `<base>` the address of its mapping

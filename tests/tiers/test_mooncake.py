@@ -429,10 +429,21 @@ def test_blocks_in_a_segment_file_are_read_straight_from_it(lent_file, monkeypat
     assert not list(files.glob("kvtier-seg-*"))  # the lender took its file along
 
 
+def sums_read(runs, n: int) -> list:
+    """What a reader that used the frames of `runs` as they lie now checks: per key, the
+    checksum of the payload it read (None outside the runs)."""
+    out = [None] * n
+    for run in runs:
+        for j in range(run.count):
+            off = run.offset + j * run.stride
+            out[run.first + j] = payload_checksum(run.mem[off + HEADER_SIZE:off + run.size])
+    return out
+
+
 def test_blocks_in_a_segment_file_are_located_in_runs_and_checked_where_they_lie(lent_file):
     """`locate` hands out runs of frames at one stride in a lender's file (what a batch put
-    leaves in a fresh segment); `verify_in_place` checks them there, after the read, and a
-    frame that fails is a MISS left to `get`, which quarantines it."""
+    leaves in a fresh segment); `verify_in_place` checks what the reader read, after the
+    read, and a frame that fails is a MISS left to `get`, which quarantines it."""
     from kvtier.tiers.mooncake import MIN_RUN
     lender, reader, files = lent_file
     keys, frames = frames_for(3 * MIN_RUN, 4096)
@@ -446,7 +457,7 @@ def test_blocks_in_a_segment_file_are_located_in_runs_and_checked_where_they_lie
         for j in range(run.count):
             at = run.offset + j * run.stride
             assert bytes(run.mem[at:at + run.size]) == bytes(frames[run.first + j])
-    assert reader.verify_in_place(keys, runs) == [4096] * len(keys)
+    assert reader.verify_in_place(keys, runs, sums_read(runs, len(keys))) == [4096] * len(keys)
     assert reader.counters()["in_place"] == len(keys)
     strict = open_pool(files.parent / "c", lender.ctx.master.address, lend=False,
                        capacity="16MiB", staging="8MiB", segment_dir=str(files),
@@ -468,7 +479,8 @@ def test_blocks_in_a_segment_file_are_located_in_runs_and_checked_where_they_lie
         assert lender.put(ks, fs) == [True] * len(ks)
     split = reader.locate(more)
     assert [(r.first, r.count) for r in split] == [(0, MIN_RUN), (MIN_RUN, MIN_RUN)]
-    assert reader.verify_in_place(more, split) == [4096] * len(more)
+    assert reader.verify_in_place(more, split, sums_read(split, len(more))) == \
+        [4096] * len(more)
 
     # Another block where block 5 should be, block 5 after the last: a prediction from
     # the ends and every 16th key is wrong about block 5, which the check then catches.
@@ -479,14 +491,15 @@ def test_blocks_in_a_segment_file_are_located_in_runs_and_checked_where_they_lie
         assert lender.put(ks, fs) == [True] * len(ks)
     [guess] = reader.locate(odd)
     assert (guess.first, guess.count) == (0, len(odd))
-    got = reader.verify_in_place(odd, [guess])
+    got = reader.verify_in_place(odd, [guess], sums_read([guess], len(odd)))
     assert got[5] == MISS and got[:5] + got[6:] == [4096] * (len(odd) - 1)
     out = bytearray(HEADER_SIZE + 4096)
     assert reader.get(odd[5:6], [out]) == [4096] and out == odd_frames[5]
 
     # A frame gone bad in the file: a MISS here, quarantined by `get`.
     flip_byte(files, frames[5], 100)
-    got = reader.verify_in_place(keys, reader.locate(keys))
+    runs = reader.locate(keys)
+    got = reader.verify_in_place(keys, runs, sums_read(runs, len(keys)))
     assert got[5] == MISS and got[:5] + got[6:] == [4096] * (len(keys) - 1)
     assert reader.counters()["corrupt"] == 0  # not quarantined from here: `get` does it
     assert reader.get(keys[5:6], [bytearray(HEADER_SIZE + 4096)]) == [MISS]
@@ -529,20 +542,21 @@ def test_a_frame_rewritten_while_it_is_read_in_place_never_passes_the_check(lent
     while writer.is_alive() and rounds < 5000:
         rounds += 1
         read = {i: bytes(runs[0].mem[off:off + len(frames[i])]) for i, off in at.items()}
-        for i, n in enumerate(reader.verify_in_place(keys, runs)):
+        used = [payload_checksum(read[i][HEADER_SIZE:]) for i in range(len(keys))]
+        for i, n in enumerate(reader.verify_in_place(keys, runs, used)):
             if n != MISS:
                 confirmed += 1
                 assert read[i] == bytes(frames[i]), f"block {i} confirmed, read torn"
     writer.join()
     assert rounds > 1 and confirmed > 0  # the check ran against frames still whole
-    assert reader.verify_in_place(keys, runs) == [MISS] * len(keys)
+    assert reader.verify_in_place(keys, runs, sums_read(runs, len(keys))) == \
+        [MISS] * len(keys)
 
 
 def test_a_frame_replaced_and_put_back_while_read_fails_the_check_of_what_was_read(lent_file):
-    """The one change a check of the frame where it lies cannot see: the reader reads
+    """The one change a check of the frame where it lies could not see: the reader reads
     another block's bytes where its frame was, and the frame is back before the check. The
-    check of checksums of what the reader used (`checksums`) sees it; every other block
-    still passes."""
+    check of checksums of what the reader used sees it; every other block still passes."""
     from kvtier.tiers.mooncake import MIN_RUN
     lender, reader, files = lent_file
     keys, frames, runs, at = put_and_locate(lender, reader, 2 * MIN_RUN)
@@ -557,7 +571,8 @@ def test_a_frame_replaced_and_put_back_while_read_fails_the_check_of_what_was_re
         os.close(fd)
     assert read[3] == other and all(read[i] == frames[i] for i in at if i != 3)
     want = [4096] * len(keys)
-    assert reader.verify_in_place(keys, runs) == want           # the file is whole again
+    # the file is whole again: a check of the frames as they lie now would pass them all
+    assert reader.verify_in_place(keys, runs, sums_read(runs, len(keys))) == want
     used = [payload_checksum(r[HEADER_SIZE:]) for r in read]  # of what the reader used
     got = reader.verify_in_place(keys, runs, used)
     assert got[3] == MISS and got[:3] + got[4:] == want[:3] + want[4:]
