@@ -30,10 +30,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from kvtier.store.config import Policy, load_policy, policy_from_dict
-from kvtier.store.config_errors import format_validation_error
-from kvtier.store.errors import ConfigError
-from kvtier.store.units import parse_size
+from kvtier.store.base.config import Policy, load_policy, policy_from_dict
+from kvtier.store.base.config_errors import format_validation_error
+from kvtier.store.base.errors import ConfigError
+from kvtier.store.base.units import parse_size
 
 SOURCE = "kv_connector_extra_config"
 

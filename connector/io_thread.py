@@ -32,8 +32,8 @@ import torch
 
 from kvtier.connector.layout import PagedKV
 from kvtier.connector.staging import FrameBuffer, StagingPool
-from kvtier.store import block
-from kvtier.store.errors import KVTierError
+from kvtier.store.base import block
+from kvtier.store.base.errors import KVTierError
 
 if TYPE_CHECKING:  # kept out at run time: this module runs where only torch is installed
     from kvtier.connector.stats import KVTierStats

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.store import block
-from kvtier.store.errors import KVTierError
+from kvtier.store.base import block
+from kvtier.store.base.errors import KVTierError
 
 PAYLOAD_FORMAT = "kvtier-v1:BL-HNC"
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

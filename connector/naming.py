@@ -3,7 +3,7 @@
 The namespace is computed from the vLLM config and the KV cache spec alone, identically on
 the scheduler (which has no tensors) and on every worker; the worker then checks that the
 tensors it was given match it (`check_layout`). Keys are the chained chunk hashes of
-`kvtier.store.keys` (blake2b over token ids: no `PYTHONHASHSEED` dependence), salted by what
+`kvtier.store.base.keys` (blake2b over token ids: no `PYTHONHASHSEED` dependence), salted by what
 changes the KV of equal tokens: LoRA adapter, `cache_salt`, multimodal inputs. Requests
 given as prompt embeddings have no token ids to key and bypass kvtier.
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtier.connector.layout import PAYLOAD_FORMAT, LayoutError, LayoutInfo
-from kvtier.store.config import Policy
-from kvtier.store.errors import ConfigError
-from kvtier.store.keys import NS_HEX, Namespace, block_keys
+from kvtier.store.base.config import Policy
+from kvtier.store.base.errors import ConfigError
+from kvtier.store.base.keys import NS_HEX, Namespace, block_keys
 from kvtier.store.tiered import SessionHint
 
 log = logging.getLogger(__name__)

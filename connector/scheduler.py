@@ -44,7 +44,7 @@ from kvtier.connector.naming import (kv_shape, make_namespace, request_salt, ses
                                      token_keys)
 from kvtier.connector.stats import KVTierStats
 from kvtier.connector.tool_calls import detect_tool_call_ids, gap_class
-from kvtier.store.errors import KVTierError
+from kvtier.store.base.errors import KVTierError
 from kvtier.store.placement import PIN_S
 from kvtier.store.tiered import SessionHint
 

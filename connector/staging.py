@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from kvtier.store import block
+from kvtier.store.base import block
 
 PAGE = block.PAGE
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from kvtier.store.config import Policy
+from kvtier.store.base.config import Policy
 from kvtier.store.tiered import TieredStore
 
 _lock = threading.Lock()
@@ -31,7 +31,7 @@ def acquire(policy: Policy, node_id: str | None, mover: bool) -> TieredStore:
         if entry is not None:
             entry[1] += 1
             if mover:  # the lookup-only side came first: this side moves blocks after all
-                entry[0].mover.start()
+                entry[0].start_mover()
             return entry[0]
         # A lookup-only store lends no pool memory: in a process of its own it never stores.
         store = TieredStore(policy, node_id=node_id, mover=mover, lend=mover)

@@ -28,8 +28,8 @@ from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob, StoreEve
 from kvtier.connector.naming import check_layout, kv_shape, make_namespace, rank_keys
 from kvtier.connector.staging import FrameBuffer, StagingPool
 from kvtier.connector.stats import KVTierStats
-from kvtier.store import block
-from kvtier.store.errors import KVTierError
+from kvtier.store.base import block
+from kvtier.store.base.errors import KVTierError
 
 log = logging.getLogger(__name__)
 # How long a step with nothing to compute may wait for a load to finish. Short, so requests
@@ -206,13 +206,13 @@ class WorkerSide:
             # allows (README, Operations), and the log should show what was at stake.
             log.info("kvtier: worker stopping: writing %d queued save batches, then the "
                      "mover's %d queued blocks", self.io.pending_saves(),
-                     self.store.mover.pending() if self.store is not None else 0)
+                     self.store.mover_pending() if self.store is not None else 0)
             self.io.stop()
             self.io = None
         if self.store is not None:
-            pending = self.store.mover.pending()
+            pending = self.store.mover_pending()
             if storeref.release(self.store):  # the last user: the mover drained on close
-                dropped = self.store.mover.stats["promote_dropped_at_stop"]
+                dropped = self.store.mover_stats().get("promote_dropped_at_stop", 0)
                 log.info("kvtier: worker stopped in %.1f s: queued saves written, the mover's "
                          "%d queued blocks moved down (%d promotions dropped)",
                          time.monotonic() - t0, pending - dropped, dropped)

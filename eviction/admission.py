@@ -18,7 +18,7 @@ import time
 from typing import Sequence
 
 from kvtier.eviction.base import SessionView
-from kvtier.store.policies import AlwaysAdmissionConfig, ReuseAdmissionConfig
+from kvtier.store.base.policies import AlwaysAdmissionConfig, ReuseAdmissionConfig
 
 RETURN_HORIZON_S = 30 * 86400.0  # "will it ever come back": a month is ever enough here
 UNKNOWN_REUSE = 0.5  # a block no session of this node holds (saved by another node)

@@ -63,7 +63,7 @@ NO_META = BlockMeta()
 
 
 class SessionView(Protocol):
-    """The session tracker's predictions, as policies read them (`store.sessions`)."""
+    """The session tracker's predictions, as policies read them (`store.sessions.tracker`)."""
 
     def reuse_probability(self, session: Hashable, now: float, horizon_s: float) -> float:
         """P(the session's next turn arrives in (now, now + horizon_s]); 0 when ended."""
@@ -73,13 +73,13 @@ class SessionView(Protocol):
         given it has not arrived by `now`; `inf` when that probability is never reached."""
 
     def snapshot(self, session: Hashable):
-        """The inputs of the prediction (`store.session_predict.Snapshot`: last turn end,
+        """The inputs of the prediction (`store.sessions.predict.Snapshot`: last turn end,
         mu and sigma of the log gap, P(another turn), active, the row of `shapes` its
         standardized log gap follows), or None when unknown."""
 
     @property
     def shapes(self):
-        """The learned shapes of standardized log gaps (`store.gap_shape.ShapeTable`)."""
+        """The learned shapes of standardized log gaps (`store.sessions.gap_shape.ShapeTable`)."""
 
     def hot_until(self, session: Hashable, quantile: float) -> float:
         """Absolute time until which the session is hot (its turn end plus the `quantile` of

@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Collection
 
 from kvtier.eviction.base import NO_META, BlockMeta, EvictionPolicy, Key
-from kvtier.store.errors import ConfigError
+from kvtier.store.base.errors import ConfigError
 
 
 class BeladyPolicy(EvictionPolicy):

@@ -8,8 +8,8 @@ from kvtier.eviction.base import EvictionPolicy, PolicyContext
 from kvtier.eviction.belady import BeladyPolicy
 from kvtier.eviction.lru import LRUPolicy
 from kvtier.eviction.s3fifo import S3FIFOPolicy
-from kvtier.store.errors import ConfigError
-from kvtier.store.policies import EVICTION_KINDS
+from kvtier.store.base.errors import ConfigError
+from kvtier.store.base.policies import EVICTION_KINDS
 
 _IMPLS: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,
@@ -25,7 +25,7 @@ EVICTION_POLICIES: dict[str, tuple[type, type[EvictionPolicy]]] = {
 
 
 def make_policy(config, ctx: PolicyContext) -> EvictionPolicy:
-    """Build the policy `config` describes (a config object of `store.policies`, or a kind
+    """Build the policy `config` describes (a config object of `store.base.policies`, or a kind
     string for the defaults) for one tier."""
     if isinstance(config, str):
         if config not in EVICTION_POLICIES:

@@ -28,7 +28,7 @@ def _erfc(x: np.ndarray) -> np.ndarray:
 def _survival(x: np.ndarray, mu: np.ndarray, sigma: np.ndarray, shape=None,
               shapes=None) -> np.ndarray:
     """P(gap > x) for gaps whose log is mu + sigma * z: z standard normal when `shapes` is
-    None, else of the `shapes` row `shape` (a `store.gap_shape.ShapeTable`)."""
+    None, else of the `shapes` row `shape` (a `store.sessions.gap_shape.ShapeTable`)."""
     with np.errstate(divide="ignore"):
         z = (np.log(np.maximum(x, 1e-12)) - mu) / sigma
     sf = 0.5 * _erfc(z / _SQRT2) if shapes is None else shapes.sf(z, shape)

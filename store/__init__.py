@@ -1,6 +1,7 @@
-"""kvtier.store: keys, block format, config, the LMDB index, the master launcher, and the
-tiered store that composes tiers and policies.
+"""kvtier.store: the node's view of the cluster cache.
 
-The shared types (`errors`, `units`, `keys`, `block`, `config`, `policies`) import nothing of
-kvtier outside this set, so `tiers/` can use them while the composition imports `tiers/`.
+`base/` is the floor (keys, block format, config, the LMDB index); on it stand the
+composition, `tiered` (`TieredStore`: tiers fastest first, sessions, policies), `placement`,
+the background `mover` and its `copier` and `frame_hold`, per-process `counters`, and the
+`sessions/` and `check/` sub-packages.
 """

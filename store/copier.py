@@ -15,22 +15,23 @@ import logging
 import threading
 from typing import Callable, Sequence
 
-from kvtier.store import block
-from kvtier.store.errors import TierError, TierFullError, TierUnavailableError
+from kvtier.store.base import block
+from kvtier.store.base.errors import TierError, TierFullError, TierUnavailableError
 from kvtier.store.frame_hold import FrameHold, PersistRisk
-from kvtier.tiers import MISS, Tier
+from kvtier.tiers.base import MISS, Tier
 
 log = logging.getLogger(__name__)
 TIER_COUNTERS = ("persist_misses", "demote_misses", "from_frames", "unheld")
 
 
 class Copier:
-    """Copies blocks between the tiers of one store. `evict(tier, bytes)` makes room in a
-    tier found full; `stats` is the mover's counter, shared."""
+    """Copies blocks between the tiers of one store (`placement` hears of every copy).
+    `evict(tier, bytes)` makes room in a tier found full; `stats` is the mover's counter,
+    shared."""
 
-    def __init__(self, store, buffer_bytes: int, hold: FrameHold, risk: PersistRisk,
+    def __init__(self, placement, buffer_bytes: int, hold: FrameHold, risk: PersistRisk,
                  evict: Callable[[Tier, int], int], stats: collections.Counter):
-        self.store = store
+        self.placement = placement
         self.buffer_bytes = buffer_bytes
         self.hold, self.risk, self.evict, self.stats = hold, risk, evict, stats
         self.io_lock = threading.Lock()  # one batch in the arena at a time
@@ -70,7 +71,7 @@ class Copier:
             self.evict(dst, need)  # room for the next copies (this batch stays in `src`)
         for dst in plan:
             done = copied.get(dst.name, [])
-            self.store.placement.on_insert(dst, done, [len(frames[k]) for k in done], None)
+            self.placement.on_insert(dst, done, [len(frames[k]) for k in done], None)
             self.stats[f"copied_{src.name}_{dst.name}"] += len(done)
             self.stats[f"from_frames_{dst.name}"] += sum(k in from_hold for k in done)
         return copied
@@ -80,7 +81,7 @@ class Copier:
         out. A block gone while waiting to be copied down is lost to the tiers below."""
         if not keys:
             return {}
-        outs = self._frames([self.store.placement.frame_bytes(k) for k in keys])
+        outs = self._frames([self.placement.frame_bytes(k) for k in keys])
         got = src.get(keys, outs)
         missed = got.count(MISS)
         if missed:
@@ -139,7 +140,7 @@ class Copier:
         except TierUnavailableError:
             raise
         except TierError as e:
-            stored = set(getattr(e, "stored", ()))
+            stored = set(e.stored)
             return [k in stored for k in keys], e
 
     def _pop_full(self) -> dict[Tier, int]:

@@ -13,9 +13,7 @@ import os
 import time
 from collections import defaultdict
 
-import lmdb
-
-from kvtier.store.index import Index
+from kvtier.store.base.index import Index
 
 TABLE = "counters"
 # the tiers' own counters, then the mover's per tier (`Copier.tier_counters`)
@@ -26,26 +24,24 @@ _START = int(time.time())
 
 def write_counters(index: Index, node_id: str, usage: dict[str, dict[str, int]]) -> None:
     """Store this process's cumulative counters of every tier (one write transaction)."""
-    db = index.table(TABLE)
+    index.open_table(TABLE)
     prefix = f"{node_id}/{os.getpid()}/{_START}/"
 
     def go(txn) -> None:
         for tier, counts in usage.items():
             row = {k: int(counts.get(k, 0)) for k in SUMMED}
-            txn.put((prefix + tier).encode(), json.dumps(row).encode(), db=db)
+            txn.put(TABLE, (prefix + tier).encode(), json.dumps(row).encode())
 
     index.run_write(go)
 
 
 def read_counters(index: Index) -> dict[str, dict[str, int]]:
     """Counters summed over every process that ever used this index, by tier."""
-    try:
-        db = index.table(TABLE)
-    except lmdb.NotFoundError:  # a read-only index no process has written counters to
+    if not index.open_table(TABLE):  # a read-only index no process has written counters to
         return {}
     totals: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(SUMMED, 0))
     with index.read() as txn:
-        for key, value in txn.cursor(db=db):
+        for key, value in txn.rows(TABLE):
             tier = key.decode().rsplit("/", 1)[-1]
             for k, v in json.loads(value).items():
                 if k in SUMMED:

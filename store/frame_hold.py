@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Sequence
 
-from kvtier.store import block
+from kvtier.store.base import block
 
 
 class FrameHold:

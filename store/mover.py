@@ -23,12 +23,18 @@ import collections
 import logging
 import threading
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
+from kvtier.store.base.config import MoverConfig
+from kvtier.store.base.errors import TierError
+from kvtier.store.base.index import Index
 from kvtier.store.copier import Copier
-from kvtier.store.errors import TierError
+from kvtier.store.counters import write_counters
 from kvtier.store.frame_hold import FrameHold, PersistRisk
-from kvtier.tiers import Tier
+from kvtier.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from kvtier.store.placement import Placement
 
 log = logging.getLogger(__name__)
 REAP_EVERY_S = 5.0
@@ -45,9 +51,12 @@ class Mover:
     lookup-only stores that never save).
     """
 
-    def __init__(self, store, start: bool = True):
-        self.store = store
-        self.cfg = store.policy.mover
+    def __init__(self, tiers: Sequence[Tier], placement: "Placement", index: Index,
+                 node_id: str, cfg: MoverConfig, start: bool = True):
+        self.tiers = list(tiers)
+        self.by_name = {t.name: t for t in self.tiers}
+        self.placement, self.index, self.node_id = placement, index, node_id
+        self.cfg = cfg
         # by priority: a persist never waits behind promotions (a load's whole prefix)
         self._queues: dict[str, collections.deque] = {"persist": collections.deque(),
                                                      "promote": collections.deque()}
@@ -58,7 +67,7 @@ class Mover:
         self._cv = threading.Condition()
         self._stop = False
         self.stats = collections.Counter()
-        self.copier = Copier(store, self.cfg.buffer_bytes, self.hold, self.risk, self.evict,
+        self.copier = Copier(placement, self.cfg.buffer_bytes, self.hold, self.risk, self.evict,
                              self.stats)
         self._thread = None
         self._last_reap = self._last_rows = time.monotonic()
@@ -77,6 +86,16 @@ class Mover:
     def running(self) -> bool:
         return self._thread is not None
 
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Capacity, used bytes and counters of every tier (this mover's among them)."""
+        return {t.name: {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes(),
+                         **t.counters(), **self.copier.tier_counters(t.name)}
+                for t in self.tiers}
+
+    def save_counters(self) -> None:
+        """Record this process's tier counters in the index (for `kvtier inspect`)."""
+        write_counters(self.index, self.node_id, self.usage())
+
     # ---- requests (any thread) ----------------------------------------------------------
 
     def persist(self, keys: Sequence[str], src: str, hint=None,
@@ -88,7 +107,7 @@ class Mover:
         this call only. If `src` may drop them before the mover reads them back, they are
         copied into the hold and the persist writes from the copies. `refused`: keys of
         `frames` that `src` did not store (full): held and persisted whatever the risk."""
-        if src == self.store.tiers[-1].name:
+        if src == self.tiers[-1].name:
             return
         frames = frames or {}
         written = [k for k in keys if k in frames]
@@ -96,7 +115,7 @@ class Mover:
         keys = [*keys, *copy]
         if not keys:
             return
-        if written and self.risk.at_risk(self.store.by_name[src]):
+        if written and self.risk.at_risk(self.by_name[src]):
             copy += written
         held = self.hold.hold(copy, [frames[k] for k in copy]) if copy else []
         if copy:
@@ -195,10 +214,10 @@ class Mover:
 
     def tick(self) -> None:
         """Periodic work: watermarks, early demotions, due prefetches, reclaim."""
-        placement = self.store.placement
-        for tier in self.store.tiers:
+        placement = self.placement
+        for tier in self.tiers:
             self._enforce_watermark(tier)
-        for tier in self.store.tiers[:-1]:
+        for tier in self.tiers[:-1]:
             self.demote(tier, placement.demotions(tier, self.cfg.buffer_bytes))
         for src, keys in placement.prefetch_due(self.cfg.buffer_bytes).items():
             self._enqueue_promotions(keys, src)
@@ -210,7 +229,7 @@ class Mover:
             self._last_reap = now
             self.reclaim(placement.reap())
             self.hold.trim(HOLD_IDLE_S)
-            self.store.save_counters()
+            self.save_counters()
 
     def reclaim(self, keys: list[str]) -> int:
         """Drop blocks no live session references from the node-local tiers.
@@ -219,10 +238,10 @@ class Mover:
         be alive on another node; their policies evict them first under pressure instead.
         """
         removed = 0
-        for tier in self.store.tiers:
+        for tier in self.tiers:
             if keys and tier.kind in NODE_LOCAL_KINDS:
                 removed += tier.delete(keys)
-                self.store.placement.on_remove(tier, keys)
+                self.placement.on_remove(tier, keys)
         self.stats["reclaimed"] += removed
         return removed
 
@@ -247,27 +266,27 @@ class Mover:
     # ---- moves --------------------------------------------------------------------------
 
     def _persist(self, keys: list[str], src: str) -> None:
-        tiers = self.store.tiers
+        tiers = self.tiers
         below = tiers[[t.name for t in tiers].index(src) + 1:]
         plan = {}
         for dst in below:
-            admitted = self.store.placement.admit(dst, keys)
+            admitted = self.placement.admit(dst, keys)
             plan[dst] = [k for k, ok in zip(keys, admitted) if ok]
-        self.copier.fan_out(self.store.by_name[src], plan, why="persist")
+        self.copier.fan_out(self.by_name[src], plan, why="persist")
 
     def _promote(self, keys: list[str], src: str) -> None:
-        first = self.store.tiers[0]
+        first = self.tiers[0]
         todo = [k for k, held in zip(keys, first.contains(keys)) if not held]
         if not todo:
             return
         try:
-            self.make_room(first, sum(self.store.placement.frame_bytes(k) for k in todo))
-            self.copier.copy(self.store.by_name[src], first, todo, why="promote")
+            self.make_room(first, sum(self.placement.frame_bytes(k) for k in todo))
+            self.copier.copy(self.by_name[src], first, todo, why="promote")
         finally:
             # Landed blocks were unmarked as they went in; the others may be offered again.
             # Blocks another node had already lifted stay marked until the give-up time, so
             # they are not asked about every tick.
-            self.store.placement.prefetch_settled(todo)
+            self.placement.prefetch_settled(todo)
 
     # ---- room ---------------------------------------------------------------------------
 
@@ -286,21 +305,21 @@ class Mover:
 
     def evict(self, tier: Tier, need_bytes: int) -> int:
         """Demote the policy's victims from `tier` one tier down (if admitted), then drop them."""
-        return self.demote(tier, self.store.placement.victims(tier, need_bytes))
+        return self.demote(tier, self.placement.victims(tier, need_bytes))
 
     def demote(self, tier: Tier, victims: list[str]) -> int:
         """Copy `victims` one tier down where admitted, then remove them from `tier`."""
         if not victims:
             return 0
-        tiers = self.store.tiers
+        tiers = self.tiers
         pos = tiers.index(tier)
         if pos + 1 < len(tiers):
             below = tiers[pos + 1]
-            admitted = self.store.placement.admit(below, victims)
+            admitted = self.placement.admit(below, victims)
             keep = [k for k, ok in zip(victims, admitted) if ok]
             if keep:
                 self.copier.copy(tier, below, keep, why="demote")
         removed = tier.delete(victims)
-        self.store.placement.on_remove(tier, victims)
+        self.placement.on_remove(tier, victims)
         self.stats[f"evicted_{tier.name}"] += removed
         return removed

@@ -1,7 +1,7 @@
 """Placement: the metadata side of `TieredStore` — sessions, per-tier policies, admission.
 
 It turns what the data path sees (lookups, hits, inserts, removals, request ends) into calls
-on the session tracker (`store.sessions`) and on each tier's eviction policy (`eviction/`),
+on the session tracker (`store.sessions.tracker`) and on each tier's eviction policy (`eviction/`),
 and answers the mover's questions: which blocks to evict from a tier, which to demote early,
 which to prefetch, what a capacity tier may absorb, how big a block's frame is.
 
@@ -25,10 +25,10 @@ from typing import Sequence
 
 from kvtier.eviction import PolicyContext, make_policy
 from kvtier.eviction.admission import make_admission
-from kvtier.store.config import Policy
-from kvtier.store.index_record import READY
-from kvtier.store.session_store import delete_sessions, write_sessions
-from kvtier.store.sessions import SessionTracker
+from kvtier.store.base.config import Policy
+from kvtier.store.base.index_record import READY
+from kvtier.store.sessions.persist import delete_sessions, write_sessions
+from kvtier.store.sessions.tracker import SessionTracker
 
 PIN_S = 30.0
 # A prefetch the mover has not landed by then (its queue was full, its source lost the block)

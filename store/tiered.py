@@ -18,10 +18,10 @@ Primitives (batched; a miss is a value):
 
 Callers guarantee what the tier contract asks (sealed frames, big enough out buffers); a
 batch holding anything but well-formed keys is refused whole (ValueError), so no string
-reaches a tier as a key. The store guarantees: a block is returned only after verification; every copy
-between tiers is written (two-phase in the index) before the copy it replaces is dropped,
-so a crash at any point leaves each block readable from at least one tier or cleanly gone;
-lookups never wait for the mover.
+reaches a tier as a key. The store guarantees: a block is returned only after verification;
+every copy between tiers is written (two-phase in the index) before the copy it replaces is
+dropped, so a crash at any point leaves each block readable from at least one tier or cleanly
+gone; lookups never wait for the mover.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from kvtier.store.config import Policy
-from kvtier.store.counters import write_counters
-from kvtier.store.errors import TierError, TierUnavailableError
-from kvtier.store.index import Index
-from kvtier.store.keys import check_keys
-from kvtier.store.master import EmbeddedMaster, ensure_master
+from kvtier.store.base.config import Policy
+from kvtier.store.base.errors import TierError, TierUnavailableError
+from kvtier.store.base.index import Index
+from kvtier.store.base.keys import check_keys
 from kvtier.store.mover import Mover
 from kvtier.store.placement import Placement
-from kvtier.tiers import MISS, Tier, TierContext, open_tier
+from kvtier.tiers.base import MISS, InPlaceRun, Tier, TierContext
+from kvtier.tiers.mooncake.master import EmbeddedMaster, ensure_master
+from kvtier.tiers.registry import open_tier
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ class TieredStore:
             raise
         self.by_name = {t.name: t for t in self.tiers}
         self.placement = Placement(policy, self.tiers, self.index, clock)
-        self.mover = Mover(self, start=mover)
+        self.mover = Mover(self.tiers, self.placement, self.index, self.node_id, policy.mover,
+                           start=mover)
         self._closed = False
         self._lock = threading.Lock()
 
@@ -97,6 +98,18 @@ class TieredStore:
     def runs_mover(self) -> bool:
         """Whether this process moves blocks (and so must hear of every lookup and turn end)."""
         return self.mover.running
+
+    def start_mover(self) -> None:
+        """Start moving blocks (a store opened lookup-only, then joined by a saving side)."""
+        self.mover.start()
+
+    def mover_pending(self) -> int:
+        """Blocks queued for the mover (persists and promotions not yet done)."""
+        return self.mover.pending()
+
+    def mover_stats(self) -> dict[str, int]:
+        """The mover's counters (blocks copied, dropped, missed), a snapshot."""
+        return dict(self.mover.stats)
 
     # ---- the data path ------------------------------------------------------------------
 
@@ -162,7 +175,8 @@ class TieredStore:
             self._load_from(tier, keys, outs, result, todo)
         return result
 
-    def locate(self, keys: Sequence[str], where: Sequence[str | None] | None = None) -> list:
+    def locate(self, keys: Sequence[str], where: Sequence[str | None] | None = None
+               ) -> list[InPlaceRun]:
         """Runs of blocks the first tier lets the caller read where they lie, without a copy
         (`Tier.locate`; block indices refer to `keys`). Only blocks the lookup found there
         (`where`) are asked about. Unverified: read them, then `confirm` what was used."""
@@ -186,7 +200,8 @@ class TieredStore:
                     start = j
         return out
 
-    def confirm(self, keys: Sequence[str], runs: Sequence, checksums: Sequence) -> list[int]:
+    def confirm(self, keys: Sequence[str], runs: Sequence[InPlaceRun],
+                checksums: Sequence[int | None]) -> list[int]:
         """After reading `runs` (from `locate`): payload length per key of what was read
         intact, else `MISS` (load those the usual way). `checksums`: the caller's, of the
         payloads it used, where it used them (`Tier.verify_in_place`)."""
@@ -259,13 +274,11 @@ class TieredStore:
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Capacity, used bytes and counters of every tier (the mover's among them)."""
-        return {t.name: {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes(),
-                         **t.counters(), **self.mover.copier.tier_counters(t.name)}
-                for t in self.tiers}
+        return self.mover.usage()
 
     def save_counters(self) -> None:
         """Record this process's tier counters in the index (for `kvtier inspect`)."""
-        write_counters(self.index, self.node_id, self.usage())
+        self.mover.save_counters()
 
     def close(self) -> None:
         """Stop the mover (draining queued persists), close tiers and index. Idempotent."""

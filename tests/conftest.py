@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.store.config import MasterConfig, policy_from_dict
-from kvtier.store.master import EmbeddedMaster, free_port
+from kvtier.store.base.config import MasterConfig, policy_from_dict
+from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 
 
 def pytest_addoption(parser):

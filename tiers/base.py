@@ -1,6 +1,6 @@
 """The storage-tier contract: a dumb, batched byte store of sealed block frames.
 
-A frame is a block as stored (`kvtier.store.block`): a 64-byte header naming the key and
+A frame is a block as stored (`kvtier.store.base.block`): a 64-byte header naming the key and
 checksumming the payload, then the payload. Tiers never interpret payloads.
 
 Primitives (batched only; a miss is a value, never an exception):
@@ -41,9 +41,30 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from typing import Sequence
 
-from kvtier.store.errors import TierFullError
+from kvtier.store.base.block import HEADER_SIZE
+from kvtier.store.base.config import MasterConfig
+from kvtier.store.base.errors import TierFullError
+from kvtier.store.base.index import Index
 
 MISS = -1
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a tier needs besides its own config: the node's index and identity.
+
+    `recover`: run crash recovery at open (drop dead writers' PENDING entries, adopt their
+    regions, sweep stale temp files). `kvtier inspect check` opens tiers with False, so the
+    leftovers are still there to be reported (and repaired only with `--fix`).
+    `lend`: this process lends pool memory (its Mooncake segment); a process that only asks
+    what the pool holds (vLLM's scheduler, its workers elsewhere) lends none.
+    """
+
+    index: Index
+    node_id: str
+    master: MasterConfig
+    recover: bool = True
+    lend: bool = True
 
 
 @dataclass
@@ -66,11 +87,31 @@ class TierCounters:
             for name, value in deltas.items():
                 setattr(self, name, getattr(self, name) + value)
 
+    def add_reads(self, results: Sequence[int], **more: int) -> None:
+        """Count one batched read: `results` are payload lengths or `MISS`, per key; every
+        hit moved its frame out (header and payload); `more` adds other counters."""
+        hits = [n for n in results if n != MISS]
+        self.add(hits=len(hits), misses=len(results) - len(hits),
+                 bytes_out=sum(hits) + HEADER_SIZE * len(hits), **more)
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             # not asdict(): it deep-copies every field, and a lock cannot be copied
             return {f.name: getattr(self, f.name) for f in fields(self)
                     if not f.name.startswith("_")}
+
+
+@dataclass(frozen=True)
+class InPlaceRun:
+    """Blocks `first .. first + count - 1` of a read, lying in one segment mapping at one
+    stride: the frame of block `first + j` is `mem[offset + j * stride:][:size]`."""
+
+    first: int
+    count: int
+    mem: memoryview
+    offset: int
+    stride: int
+    size: int
 
 
 # Kinds a check reports and a fix clears, which still leave the check clean.
@@ -126,14 +167,14 @@ class Tier(ABC):
     def counters(self) -> dict[str, int]:
         return self.stats.snapshot()
 
-    def locate(self, keys: Sequence[str]) -> list:
+    def locate(self, keys: Sequence[str]) -> list[InPlaceRun]:
         """Runs of `keys` the caller may read where they lie, without a copy (see
         `MooncakeTier.locate`); none by default. Bytes read so are unverified: the caller
         must call `verify_in_place` with checksums of what it used, and use only what that
         confirms."""
         return []
 
-    def verify_in_place(self, keys: Sequence[str], runs: Sequence,
+    def verify_in_place(self, keys: Sequence[str], runs: Sequence[InPlaceRun],
                         checksums: Sequence) -> list[int]:
         """Payload length per key of what the caller read from `runs`, whose payloads it
         checksummed where it used them (`checksums`, see `MooncakeTier`), or `MISS`."""
@@ -163,6 +204,4 @@ class Tier(ABC):
 
 def full_error(tier: str, reason: str, fix: str, stored: Sequence[str]) -> TierFullError:
     """A TierFullError whose `.stored` lists the keys the batch stored before it filled up."""
-    err = TierFullError(f"tier {tier!r} is full ({reason}); {fix}")
-    err.stored = list(stored)  # type: ignore[attr-defined]
-    return err
+    return TierFullError(f"tier {tier!r} is full ({reason}); {fix}", stored)

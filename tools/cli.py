@@ -1,4 +1,4 @@
-"""The `kvtier` command line. Each command group lives in its own module under `tools/`."""
+"""The `kvtier` command line. Each command group lives in its own module under `tools/commands/`."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import sys
 
 import typer
 
-from kvtier.store.errors import ConfigError, KVTierError
-from kvtier.tools import cli_bench, cli_config, cli_inspect, cli_master, cli_replay
+from kvtier.store.base.errors import ConfigError, KVTierError
+from kvtier.tools.commands import bench as cli_bench
+from kvtier.tools.commands import config as cli_config
+from kvtier.tools.commands import inspect as cli_inspect
+from kvtier.tools.commands import master as cli_master
+from kvtier.tools.commands import replay as cli_replay
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="kvtier: a tiered KV-cache store for agentic LLM serving.")

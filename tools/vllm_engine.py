@@ -2,7 +2,7 @@
 
 - `make_tiny_model(dir)`: a 2-layer random Llama saved with `save_pretrained` (no download),
   deterministic (seeded), so every process that builds it gets the same weights.
-- `Engine`: a vLLM `LLM` in its own process (`python -m kvtier.connector.engine_host SPEC`),
+- `Engine`: a vLLM `LLM` in its own process (`python -m kvtier.connector.harness.engine_host SPEC`),
   driven by JSON lines. `submit` hands it one request at any time, without waiting: the
   engine runs it alongside the others as they come (continuous batching), and the returned
   `Future` resolves to a `Completion` (output token ids, cached tokens, the connector's
@@ -43,12 +43,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from kvtier.connector.engine_host import TINY_MODEL, make_tiny_model  # noqa: F401 (re-exported)
+from kvtier.connector.harness.engine_host import TINY_MODEL, make_tiny_model  # noqa: F401 (re-exported)
+from kvtier.store.base.config import kvtier_home
+
 
 def random_prompt(seed: int, n: int) -> list[int]:
     """`n` token ids drawn from the tiny model's vocabulary, reproducibly."""
     rng = random.Random(seed)
     return [rng.randrange(1, TINY_MODEL["vocab_size"]) for _ in range(n)]
+
+
+def model_dir() -> Path:
+    """Where the replay keeps its tiny random model (made once, reused by later runs)."""
+    return kvtier_home() / "replay-model" / "tiny-llama"
 
 
 def prompt_keys(prompt: list[int], policy: dict, dtype: str = "bfloat16",
@@ -58,8 +65,8 @@ def prompt_keys(prompt: list[int], policy: dict, dtype: str = "bfloat16",
     from types import SimpleNamespace
 
     from kvtier.connector.naming import KVShape, make_namespace
-    from kvtier.store.config import policy_from_dict
-    from kvtier.store.keys import block_keys
+    from kvtier.store.base.config import policy_from_dict
+    from kvtier.store.base.keys import block_keys
     elem = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     head = TINY_MODEL["hidden_size"] // TINY_MODEL["num_attention_heads"]
     shape = KVShape(TINY_MODEL["num_hidden_layers"], TINY_MODEL["num_key_value_heads"],
@@ -133,7 +140,7 @@ class Engine:
         spec["reply_fd"] = wfd
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtier.connector.engine_host", json.dumps(spec)],
+                [sys.executable, "-m", "kvtier.connector.harness.engine_host", json.dumps(spec)],
                 stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
                 env=child_env, pass_fds=(wfd,), start_new_session=True)
         finally:

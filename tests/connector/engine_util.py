@@ -17,8 +17,8 @@ import os
 import time
 from pathlib import Path
 
-from kvtier.store.config import MasterConfig
-from kvtier.store.master import EmbeddedMaster, free_port
+from kvtier.store.base.config import MasterConfig
+from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 from kvtier.tools.vllm_engine import (Engine, Output, kvtier_transfer_config, make_tiny_model,
                                       prompt_keys, random_prompt)
 

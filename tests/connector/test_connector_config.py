@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvtier.connector.config import parse_extra_config
-from kvtier.store.errors import ConfigError
-from kvtier.store.keys import NS_HEX, is_key
+from kvtier.store.base.errors import ConfigError
+from kvtier.store.base.keys import NS_HEX, is_key
 
 naming = pytest.importorskip("kvtier.connector.naming")
 vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")

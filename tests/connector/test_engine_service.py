@@ -10,9 +10,9 @@ pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
     Cluster, Engines, full_block_tokens, make_tiny_model, random_prompt)
-from kvtier.store.config import MasterConfig, policy_from_dict  # noqa: E402
-from kvtier.store.master import free_port  # noqa: E402
-from kvtier.tiers.mooncake_service import PoolService  # noqa: E402
+from kvtier.store.base.config import MasterConfig, policy_from_dict  # noqa: E402
+from kvtier.tiers.mooncake.master import free_port  # noqa: E402
+from kvtier.tiers.mooncake.service import PoolService  # noqa: E402
 from kvtier.tools.vllm_engine import kvtier_transfer_config  # noqa: E402
 
 pytestmark = pytest.mark.vllm

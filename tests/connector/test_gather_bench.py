@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvtier.connector.gather_bench import main
+from kvtier.connector.harness.gather_bench import main
 
 SMALL = ["--device", "cpu", "--layers", "2", "--heads", "2", "--head-size", "16",
          "--block-size", "16", "--chunk-tokens", "32", "--blocks", "64", "--cache-blocks",

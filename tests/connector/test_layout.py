@@ -13,7 +13,7 @@ import torch
 
 from kvtier.connector.layout import LayoutError, PagedKV, canonical_view
 from kvtier.connector.staging import FrameBuffer, StagingPool
-from kvtier.store import block
+from kvtier.store.base import block
 
 vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402

@@ -27,7 +27,7 @@ from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
     CHUNK, Cluster, chunk_keys, files_of, full_block_tokens, kvtier_transfer_config,
     make_tiny_model, random_prompt, wait_for)
 from conftest import metric_sum  # noqa: E402
-from kvtier.store.master import free_port  # noqa: E402
+from kvtier.tiers.mooncake.master import free_port  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 START_TIMEOUT_S = 600  # two servers starting at once on two cores

@@ -19,10 +19,10 @@ vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
 
 from kvtier.connector.config import ConnectorConfig  # noqa: E402
 from kvtier.connector.scheduler import SchedulerSide  # noqa: E402
-from kvtier.connector.worker import WorkerSide  # noqa: E402
 from kvtier.connector.stats import KVTierPromMetrics  # noqa: E402
-from kvtier.store.config import policy_from_dict  # noqa: E402
-from kvtier.store.keys import block_keys  # noqa: E402
+from kvtier.connector.worker import WorkerSide  # noqa: E402
+from kvtier.store.base.config import policy_from_dict  # noqa: E402
+from kvtier.store.base.keys import block_keys  # noqa: E402
 from kvtier.tools.vllm_engine import random_prompt  # noqa: E402
 
 from conftest import wait_until  # noqa: E402
@@ -275,7 +275,7 @@ def test_request_aborted_while_loading_saves_nothing_and_holds_nothing(sides):
 
 
 def test_session_hints_reach_the_store_and_later_turns_are_inferred(sides):
-    from kvtier.store.session_store import read_sessions
+    from kvtier.store.sessions.persist import read_sessions
     turn1 = random_prompt(6, 300)
     hint = {"kvtier": {"session_id": "agent-7", "expected_gap_s": 3.0}}
     for req_id, tokens, params in (("t1", turn1, hint), ("t2", turn1 + random_prompt(7, 200),
@@ -297,7 +297,7 @@ def test_a_turn_ending_on_a_tool_call_is_learned_as_a_tool_wait(sides):
     session waits for, here and (forwarded) in the workers' store."""
     import pickle
 
-    from kvtier.store.session_store import read_sessions
+    from kvtier.store.sessions.persist import read_sessions
     sides.sched.tool_call_ids = frozenset({TOOL})
     for forward, req_id, out, want in ((False, "g1", [3, TOOL, 4], "tool"),
                                        (True, "g2", [3, 4], "user")):
@@ -344,7 +344,7 @@ def test_with_the_workers_elsewhere_lookups_and_turn_ends_reach_their_store(side
     lookups and turn ends: the store that evicts and prefetches learns the session there."""
     import pickle
 
-    from kvtier.store.session_store import read_sessions
+    from kvtier.store.sessions.persist import read_sessions
     sides.sched.forward = True  # as in a scheduler process whose store runs no mover
     tokens = random_prompt(8, 300)
     r = request("f1", tokens, params={"kvtier": {"session_id": "agent-9",

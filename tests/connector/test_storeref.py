@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtier.connector import storeref
-from kvtier.store.config import policy_from_dict
+from kvtier.store.base.config import policy_from_dict
 
 
 def _policy(tmp_path):

@@ -4,7 +4,7 @@ tracker, and a tiny store that keeps a policy within a capacity."""
 from __future__ import annotations
 
 from kvtier.eviction import EVICTION_POLICIES, PolicyContext, make_policy
-from kvtier.store.sessions import SessionTracker
+from kvtier.store.sessions.tracker import SessionTracker
 
 SESSIONS, CHAIN = 6, 8  # keys are s * 100 + position: six sessions of eight blocks
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import namedtuple
 
 from kvtier.eviction.admission import TokenBucket, make_admission
-from kvtier.store.policies import AlwaysAdmissionConfig, ReuseAdmissionConfig
-from kvtier.store.sessions import SessionTracker
+from kvtier.store.base.policies import AlwaysAdmissionConfig, ReuseAdmissionConfig
+from kvtier.store.sessions.tracker import SessionTracker
 
 Tier = namedtuple("Tier", "name kind")
 NVME, SHARED, POOL = Tier("nvme", "nvme"), Tier("shared", "sharedfs"), Tier("dram", "mooncake")

@@ -10,9 +10,9 @@ import pytest
 
 from kvtier.eviction import PolicyContext, make_policy
 from kvtier.eviction.session_scores import _ndtri, _survival, share_level
-from kvtier.store.policies import AgenticConfig
-from kvtier.store.session_stats import survival
-from kvtier.store.sessions import SessionTracker
+from kvtier.store.base.policies import AgenticConfig
+from kvtier.store.sessions.stats import survival
+from kvtier.store.sessions.tracker import SessionTracker
 
 
 def trained_tracker(sessions: int = 40) -> SessionTracker:
@@ -78,7 +78,7 @@ def test_a_session_still_in_a_long_turn_goes_before_one_in_a_short_turn():
 
 def test_dead_time_counts_only_for_a_sessions_own_blocks_in_service():
     from kvtier.eviction.session_scores import SessionSlots, hit_density
-    from kvtier.store.session_predict import Snapshot
+    from kvtier.store.sessions.predict import Snapshot
     sl = SessionSlots()
     for unit, active in ((("a", 1), True), (("a", 4), True), (("b", 1), False)):
         sl.refresh(sl.add(unit), Snapshot(100.0, 1.0, 1.0, 1.0, active, busy_s=5.0))

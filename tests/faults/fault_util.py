@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.store import block
-from kvtier.store.config import Policy, policy_from_dict
-from kvtier.store.keys import Namespace, id_chain_hashes, make_keys
+from kvtier.store.base import block
+from kvtier.store.base.config import Policy, policy_from_dict
+from kvtier.store.base.keys import Namespace, id_chain_hashes, make_keys
 from kvtier.tiers import MISS
 
 HERE = Path(__file__).resolve().parent

@@ -13,7 +13,7 @@ import sys
 from types import SimpleNamespace
 
 from kvtier.connector.naming import request_salt
-from kvtier.store.keys import Namespace, block_keys, id_chain_hashes, make_keys
+from kvtier.store.base.keys import Namespace, block_keys, id_chain_hashes, make_keys
 from kvtier.tools.vllm_engine import prompt_keys
 
 

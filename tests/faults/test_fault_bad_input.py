@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from kvtier.connector.config import parse_extra_config
-from kvtier.store.config import load_policy
-from kvtier.store.errors import ConfigError, KVTierError
+from kvtier.store.base.config import load_policy
+from kvtier.store.base.errors import ConfigError, KVTierError
 from kvtier.store.tiered import TieredStore
 
 CORPUS = Path(__file__).with_name("corpus")

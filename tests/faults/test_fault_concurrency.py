@@ -23,12 +23,12 @@ import pytest
 import yaml
 
 from fault_util import KiB, Child, load_checked, make, policy_dict, request_keys
-from kvtier.store.check import check_node
-from kvtier.store.index import Index
-from kvtier.store.index_record import READY
-from kvtier.store.session_store import read_sessions
+from kvtier.store.base.index import Index
+from kvtier.store.base.index_record import READY
+from kvtier.store.check.node import check_node
+from kvtier.store.sessions.persist import read_sessions
 from kvtier.store.tiered import TieredStore
-from kvtier.tiers.region_rows import unpack_loc
+from kvtier.tiers.nvme.region_rows import unpack_loc
 
 SIZE = 64 * KiB
 BLOCKS = 4
@@ -127,8 +127,8 @@ def test_a_key_allocated_twice_in_one_generation_is_dropped_at_reclaim(tmp_path)
     """Two threads of one process put the same key: both allocate in the process's region,
     one reservation wins. When the region is reclaimed, the winner's entry must go too
     (it stayed behind, READY and dead, when the loser's offset came last)."""
-    from kvtier.store.index_record import Entry
-    from kvtier.tiers.region_rows import pack_loc
+    from kvtier.store.base.index_record import Entry
+    from kvtier.tiers.nvme.region_rows import pack_loc
     from fault_util import frame_for
     data = policy_dict(tmp_path, None, nvme_capacity="2MiB")
     with TieredStore(make(data), node_id="n", mover=False) as store:

@@ -25,10 +25,10 @@ import pytest
 from fault_util import (KiB, Child, load_checked, make, policy_dict, payload_for, out_for,
                         without_pool)
 from conftest import start_master
-from kvtier.store import block
-from kvtier.store.check import check_node
-from kvtier.store.index import Index
-from kvtier.store.index_record import PENDING, READY
+from kvtier.store.base import block
+from kvtier.store.base.index import Index
+from kvtier.store.base.index_record import PENDING, READY
+from kvtier.store.check.node import check_node
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers import MISS
 

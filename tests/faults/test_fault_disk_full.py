@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from fault_util import KiB, frame_for, load_checked, make, policy_dict, request_keys, tmpfs  # noqa: F401
-from kvtier.store.check import check_node
-from kvtier.store.index_record import READY
+from kvtier.store.base.index_record import READY
+from kvtier.store.check.node import check_node
 from kvtier.store.tiered import TieredStore
 
 SIZE = 64 * KiB

@@ -25,8 +25,8 @@ pytest.importorskip("vllm")
 from conftest import start_master  # noqa: E402
 from conftest import wait_until  # noqa: E402
 from fault_util import without_pool  # noqa: E402
-from kvtier.store.check import check_node  # noqa: E402
-from kvtier.store.config import policy_from_dict  # noqa: E402
+from kvtier.store.base.config import policy_from_dict  # noqa: E402
+from kvtier.store.check.node import check_node  # noqa: E402
 from kvtier.tools.vllm_engine import (Engine, EngineError, kvtier_transfer_config,  # noqa: E402
                                       make_tiny_model, random_prompt)
 

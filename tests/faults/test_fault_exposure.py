@@ -24,8 +24,8 @@ import pytest
 
 from conftest import start_master
 from fault_util import Child, listeners, policy_dict
-from kvtier.store.config import MasterConfig
-from kvtier.store.master import EmbeddedMaster, free_port
+from kvtier.store.base.config import MasterConfig
+from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("store", "tiers", "connector", "eviction", "tools")

@@ -1,5 +1,5 @@
-"""Fuzzing of what kvtier parses from outside: block headers (`store/block.py`) and traces
-(`tools/traces.py`), with hypothesis (structure-aware: forged headers with valid header
+"""Fuzzing of what kvtier parses from outside: block headers (`store/base/block.py`) and traces
+(`tools/workload/traces.py`), with hypothesis (structure-aware: forged headers with valid header
 checksums, almost-valid trace records with hostile field types).
 
 Properties:
@@ -23,10 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fault_util import NS, OTHER_NS, request_keys
-from kvtier.store import block
-from kvtier.store.errors import CorruptBlockError
-from kvtier.store.keys import NS_HEX
-from kvtier.tools.traces import TraceError, load_mooncake, load_weka
+from kvtier.store.base import block
+from kvtier.store.base.errors import CorruptBlockError
+from kvtier.store.base.keys import NS_HEX
+from kvtier.tools.workload.traces import TraceError, load_mooncake, load_weka
 
 KEY = request_keys("fuzz", 1)[0]
 FUZZ = settings(max_examples=300, deadline=None,

@@ -21,12 +21,12 @@ import pytest
 
 from fault_util import (OTHER_NS, KiB, frame_for, load_checked, make, out_for,  # noqa: F401
                         policy_dict, request_keys, store)
-from kvtier.store import block
-from kvtier.store.keys import NS_HEX
+from kvtier.store.base import block
+from kvtier.store.base.keys import NS_HEX
 from kvtier.store.tiered import TieredStore
 from kvtier.tiers import MISS
-from kvtier.tiers.regions import unpack_loc
-from kvtier.tiers.sharedfs_files import QUARANTINE, block_path
+from kvtier.tiers.nvme.regions import unpack_loc
+from kvtier.tiers.sharedfs.files import QUARANTINE, block_path
 
 SIZE = 16 * KiB
 TIERS = ("dram", "nvme", "shared")

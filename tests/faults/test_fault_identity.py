@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from fault_util import HERE, make, policy_dict
-from kvtier.store.errors import IndexError_
+from kvtier.store.base.errors import IndexError_
 from kvtier.store.tiered import TieredStore
 
 REPO = Path(__file__).resolve().parents[2]

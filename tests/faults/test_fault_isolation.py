@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 from conftest import start_master
 from fault_util import (KiB, frame_for, load_checked, make, out_for,  # noqa: F401
                         policy_dict, request_keys, store)
-from kvtier.store.keys import KEY_HEX, NS_HEX, Namespace, block_keys, is_key
-from kvtier.store.master import free_port
+from kvtier.store.base.keys import KEY_HEX, NS_HEX, Namespace, block_keys, is_key
 from kvtier.store.tiered import TieredStore
-from kvtier.tiers.region_rows import unpack_loc
-from kvtier.tiers.sharedfs_files import QUARANTINE, block_path
+from kvtier.tiers.mooncake.master import free_port
+from kvtier.tiers.nvme.region_rows import unpack_loc
+from kvtier.tiers.sharedfs.files import QUARANTINE, block_path
 
 SIZE = 8 * KiB
 HEX = "0123456789abcdef"

@@ -5,7 +5,7 @@ Promised, and checked here: no call raises to the caller; no load returns wrong 
 blocks persisted below the pool keep hitting during the outage (from nvme or sharedfs);
 after the master returns, new saves land in the pool again and hit from `dram`. The time
 from the restart to the first `dram` hit is measured and bounded.
-(The replay-level variant waits for `kvtier replay --engine sim`, issue 6.)
+(The replay-level variant is the soak, `kvtier replay --engine sim --soak`.)
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 
 from conftest import start_master, wait_until
 from fault_util import KiB, frame_for, load_checked, make, policy_dict, request_keys
-from kvtier.store.master import EmbeddedMaster
 from kvtier.store.tiered import TieredStore
+from kvtier.tiers.mooncake.master import EmbeddedMaster
 
 SIZE = 32 * KiB
 BLOCKS = 4

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.store import block
-from kvtier.store.errors import CorruptBlockError
+from kvtier.store.base import block
+from kvtier.store.base.errors import CorruptBlockError
 
 KEY = "0123456789abcdef" + "ab" * 16
 OTHER_NS = "fedcba9876543210" + KEY[16:]
@@ -92,8 +92,8 @@ def test_frame_too_small_to_seal():
 
 def test_verified_len_accepts_and_refuses_exactly_what_verify_does():
     import os
-    from kvtier.store.block import CorruptBlockError, HEADER_SIZE, encode, verified_len, verify
-    from kvtier.store.keys import Namespace, id_chain_hashes, make_keys
+    from kvtier.store.base.block import CorruptBlockError, HEADER_SIZE, encode, verified_len, verify
+    from kvtier.store.base.keys import Namespace, id_chain_hashes, make_keys
     ns = Namespace(model="kvtier-test-verified-len").fingerprint()
     key, other = make_keys(ns, id_chain_hashes([1, 2]))
     frame = bytes(encode(key, os.urandom(1000)))

@@ -9,8 +9,8 @@ import sys
 import pytest
 import yaml
 
-from kvtier.store.config import load_policy, policy_from_dict
-from kvtier.store.errors import ConfigError
+from kvtier.store.base.config import load_policy, policy_from_dict
+from kvtier.store.base.errors import ConfigError
 
 
 def base(tmp_path):

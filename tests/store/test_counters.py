@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+from kvtier.store.base.index import Index
 from kvtier.store.counters import read_counters, write_counters
-from kvtier.store.index import Index
 
 
 def _write(path, node, hits):

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from conftest import make_policy
-from kvtier.store import block
+from kvtier.store.base import block
+from kvtier.store.base.index import Index
+from kvtier.store.base.keys import Namespace, block_keys
 from kvtier.store.counters import read_counters
 from kvtier.store.frame_hold import FrameHold
-from kvtier.store.index import Index
-from kvtier.store.keys import Namespace, block_keys
 from kvtier.store.tiered import SessionHint, TieredStore
 from kvtier.tiers import MISS
 

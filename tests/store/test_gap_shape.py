@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from kvtier.eviction.session_scores import _survival, time_to_read
-from kvtier.store.gap_shape import NORMAL, LogHistogram, ShapeTable
-from kvtier.store.session_stats import GapPrior, inv_survival, survival
-from kvtier.store.sessions import SessionConfig, SessionTracker
+from kvtier.store.sessions.gap_shape import NORMAL, LogHistogram, ShapeTable
+from kvtier.store.sessions.stats import GapPrior, inv_survival, survival
+from kvtier.store.sessions.tracker import SessionConfig, SessionTracker
 
 _STD = NormalDist()
 

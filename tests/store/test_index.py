@@ -16,9 +16,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, precondition
 
-from kvtier.store.errors import IndexError_, IndexFullError
-from kvtier.store.index import Index
-from kvtier.store.index_record import PENDING, READY, Entry
+from kvtier.store.base.errors import IndexError_, IndexFullError
+from kvtier.store.base.index import Index
+from kvtier.store.base.index_record import PENDING, READY, Entry
 
 KEYS = [f"{i:02x}" * 24 for i in range(12)]
 TIERS = ["nvme", "shared"]
@@ -113,8 +113,8 @@ def test_reopens_itself_after_fork(tmp_path):
 
 WRITER = """
 import random, sys, time
-from kvtier.store.index import Index
-from kvtier.store.index_record import Entry
+from kvtier.store.base.index import Index
+from kvtier.store.base.index_record import Entry
 ix = Index(sys.argv[1])
 rng = random.Random(int(sys.argv[2]))
 print("ready", flush=True)
@@ -208,9 +208,9 @@ class IndexMachine(RuleBasedStateMachine):
     @rule()
     def crash(self):
         # Pretend the owner died: rewrite owners to a pid that cannot exist, then recover.
-        with self.ix.write() as txn:
-            from kvtier.store.index_record import decode_entry, encode_entry
-            db = self.ix.db("blocks")
+        with self.ix._txn(write=True) as txn:
+            from kvtier.store.base.index_record import decode_entry, encode_entry
+            db = self.ix._db("blocks")
             for k, raw in list(txn.cursor(db=db)):
                 e = decode_entry(raw)
                 if e.state == PENDING:

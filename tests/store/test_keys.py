@@ -10,12 +10,12 @@ import sys
 import numpy as np
 import pytest
 
-from kvtier.store.keys import (KEY_HEX, Namespace, block_keys, check_key, chunk_hashes,
+from kvtier.store.base.keys import (KEY_HEX, Namespace, block_keys, check_key, chunk_hashes,
                                id_chain_hashes, is_key, key_namespace)
 
 SCRIPT = """
 import json, sys
-from kvtier.store.keys import Namespace, block_keys, id_chain_hashes
+from kvtier.store.base.keys import Namespace, block_keys, id_chain_hashes
 ns = Namespace(model="m", dtype="bfloat16", tp_rank=1, tp_size=2, chunk_tokens=16)
 toks = list(range(1000, 1100))
 print(json.dumps({"keys": block_keys(ns, toks, salt=b"lora-a"),

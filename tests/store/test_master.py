@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from kvtier.store import master as master_mod
-from kvtier.store.config import MasterConfig
-from kvtier.store.errors import MasterError
-from kvtier.store.master import (EmbeddedMaster, check_shared_libraries, ensure_master,
+from kvtier.store.base.config import MasterConfig
+from kvtier.store.base.errors import MasterError
+from kvtier.tiers.mooncake import master as master_mod
+from kvtier.tiers.mooncake.master import (EmbeddedMaster, check_shared_libraries, ensure_master,
                                  find_master_binary, free_port, master_answers)
 
 
@@ -76,8 +76,8 @@ def test_not_embedded_and_nothing_answers():
 
 ENGINE = textwrap.dedent("""
     import sys, time
-    from kvtier.store.config import MasterConfig
-    from kvtier.store.master import ensure_master
+    from kvtier.store.base.config import MasterConfig
+    from kvtier.tiers.mooncake.master import ensure_master
     owned = ensure_master(MasterConfig(address=sys.argv[1]))
     print("owner" if owned else "joined", owned.proc.pid if owned else 0, flush=True)
     time.sleep(float(sys.argv[2]))

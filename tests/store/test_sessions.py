@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.eviction.base import NO_META
-from kvtier.store.sessions import SessionTracker, common_prefix
+from kvtier.store.sessions.tracker import SessionTracker, common_prefix
 
 
 def turn(tr, keys, now, end=None, cls=None, **kw):

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from conftest import make_policy
-from kvtier.store import block
-from kvtier.store.index_record import READY
-from kvtier.store.keys import Namespace, block_keys
+from kvtier.store.base import block
+from kvtier.store.base.index_record import READY
+from kvtier.store.base.keys import Namespace, block_keys
 from kvtier.store.tiered import SessionHint, TieredStore
 from kvtier.tiers import MISS
 
@@ -214,7 +214,7 @@ def test_session_rows_follow_blocks_that_land_or_move_after_the_turn(tmp_path, s
     that turn can land after it (vLLM's workers save on their I/O thread), and blocks move
     down later. The mover's tick rewrites the rows of the sessions whose blocks moved."""
     from kvtier.store import mover
-    from kvtier.store.session_store import read_sessions
+    from kvtier.store.sessions.persist import read_sessions
     monkeypatch.setattr(mover, "ROWS_EVERY_S", 0.0)
     keys = block_keys(NS, range(16 * 4))
     hint = SessionHint("agent-7")

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.store.block import HEADER_SIZE, encode
-from kvtier.store.config import policy_from_dict
-from kvtier.store.index import Index
-from kvtier.store.keys import Namespace
+from kvtier.store.base.block import HEADER_SIZE, encode
+from kvtier.store.base.config import policy_from_dict
+from kvtier.store.base.index import Index
+from kvtier.store.base.keys import Namespace
 from kvtier.tiers import MISS, TierContext, open_tier
 
 NS = Namespace(model="kvtier-test-peer").fingerprint()

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.store.config import MasterConfig
-from kvtier.store.index import Index
-from kvtier.store.index_record import encode_entry
-from kvtier.tiers import TierContext, check_files, nvme_check, open_tier
-from kvtier.tiers.check_files import Ticker, remove_path
-from kvtier.tiers.sharedfs_check import sweep_quarantine
-from kvtier.tiers.sharedfs_files import QUARANTINE, block_path
+from kvtier.store.base.config import MasterConfig
+from kvtier.store.base.index import Index
+from kvtier.store.base.index_record import encode_entry
+from kvtier.tiers import TierContext, open_tier
+from kvtier.tiers.files import check as check_files
+from kvtier.tiers.files.check import Ticker, remove_path
+from kvtier.tiers.nvme import check as nvme_check
+from kvtier.tiers.sharedfs.check import sweep_quarantine
+from kvtier.tiers.sharedfs.files import QUARANTINE, block_path
 from tier_factories import FACTORIES, KiB, MiB, Spec, frame_for, keys_for
 
 SIZE = 60 * KiB
@@ -60,9 +62,9 @@ def test_open_without_recovery_keeps_the_leftovers_a_check_reports(tmp_path, fac
     t.put(keys[:2])
     assert t.index.reserve([t.index.get(t.tier.name, [keys[0]])[0].replace(key=keys[2])])
     e = t.index.get(t.tier.name, [keys[2]], ready_only=False)[0]
-    with t.index.write() as txn:  # the writer that reserved it has died since
+    with t.index._txn(write=True) as txn:  # the writer that reserved it has died since
         txn.put(t.index._k(keys[2], t.tier.name),
-                encode_entry(e.replace(owner_pid=dead_pid())), db=t.index.db("blocks"))
+                encode_entry(e.replace(owner_pid=dead_pid())), db=t.index._db("blocks"))
     temp = block_path(tmp_path / "shared", keys[0]).parent / f".{keys[0]}.kvb.node-z.1.ab.tmp"
     if factory == "sharedfs":
         temp.write_bytes(b"x")
@@ -92,7 +94,7 @@ def test_nvme_region_reclaimed_under_the_check_is_not_a_problem(tmp_path):
     for start in range(100, 160, 4):  # reclaims and rewrites every region, old entries drop
         t.put(keys_for(start, 4))
     fd = os.open(t.tier.path / "regions.kvr", os.O_RDONLY)
-    raw = [memoryview(bytearray(os.pread(fd, 64 * KiB, nvme_check._offset(t.tier, e))))
+    raw = [memoryview(bytearray(os.pread(fd, 64 * KiB, t.tier.regions.offset(e))))
            for e in snap.entries]
     os.close(fd)
     # The snapshot's frames are gone for real: a check that trusted it would report them...
@@ -110,11 +112,11 @@ def test_nvme_truncated_or_missing_data_file_and_lost_frames(tmp_path, monkeypat
     keys = keys_for(0, 14)
     t.put(keys)
     data = t.tier.path / "regions.kvr"
-    region_of = {k: nvme_check._offset(t.tier, t.index.get("nvme", [k])[0]) // (512 * KiB)
+    region_of = {k: t.tier.regions.offset(t.index.get("nvme", [k])[0]) // (512 * KiB)
                  for k in keys}
     zeroed = keys[1]
     fd = os.open(data, os.O_WRONLY)
-    os.pwrite(fd, bytes(4096), nvme_check._offset(t.tier, t.index.get("nvme", [zeroed])[0]))
+    os.pwrite(fd, bytes(4096), t.tier.regions.offset(t.index.get("nvme", [zeroed])[0]))
     os.fsync(fd)
     os.close(fd)
     t.close()

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvtier.store import block
-from kvtier.store.errors import TierError, TierFullError
+from kvtier.store.base import block
+from kvtier.store.base.errors import TierError, TierFullError
 from kvtier.tiers import MISS
 from tier_factories import (FACTORIES, KiB, MiB, OTHER_NS, Spec, check_hit, close,
                             finish_worker, frame_for, keys_for, open_spec, out_for,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.store.config import MasterConfig
-from kvtier.store.errors import TierFullError, TierUnavailableError
-from kvtier.store.index import Index
+from kvtier.store.base.config import MasterConfig
+from kvtier.store.base.errors import TierFullError, TierUnavailableError
+from kvtier.store.base.index import Index
 from kvtier.tiers import MISS, TierContext, open_tier
 from tier_factories import (FACTORIES, KiB, MiB, Spec, check_hit, close, frame_for, keys_for,
                             open_spec, out_for, start_worker)

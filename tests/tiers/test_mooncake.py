@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 
 from conftest import make_policy, metric_sum, start_master, wait_until
-from kvtier.store.block import HEADER_SIZE, alloc_aligned, encode, payload_checksum
-from kvtier.store.config import MasterConfig
-from kvtier.store.errors import TierError, TierFullError, TierUnavailableError
-from kvtier.store.index import Index
-from kvtier.store.keys import Namespace
-from kvtier.store.master import EmbeddedMaster, free_port
+from kvtier.store.base.block import HEADER_SIZE, alloc_aligned, encode, payload_checksum
+from kvtier.store.base.config import MasterConfig
+from kvtier.store.base.errors import TierError, TierFullError, TierUnavailableError
+from kvtier.store.base.index import Index
+from kvtier.store.base.keys import Namespace
 from kvtier.tiers import MISS, TierContext, open_tier
-from kvtier.tiers.mooncake_client import MooncakeClient
+from kvtier.tiers.mooncake.client import MooncakeClient
+from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 
 NS = Namespace(model="kvtier-test-mooncake").fingerprint()
 OTHER_NS = Namespace(model="kvtier-test-other").fingerprint()
@@ -332,7 +332,7 @@ def test_two_processes_exchange_blocks(tmp_path):
 
 
 def test_missing_mooncake_package_names_the_install(monkeypatch):
-    from kvtier.tiers import mooncake_client
+    from kvtier.tiers.mooncake import client as mooncake_client
 
     monkeypatch.setitem(sys.modules, "mooncake.store", None)
     with pytest.raises(TierError, match="pip install"):
@@ -403,7 +403,7 @@ def flip_byte(files: Path, frame, at: int) -> None:
 def test_blocks_in_a_segment_file_are_read_straight_from_it(lent_file, monkeypatch):
     """`segment_dir`: the lender's segment is a file; a reader copies blocks out of it and
     sends only the rest (misses, bad frames) through Mooncake's transfer."""
-    from kvtier.tiers.mooncake_files import parse_name
+    from kvtier.tiers.mooncake.segments import parse_name
     lender, reader, files = lent_file
     sent = []
     transfer = reader._transfer
@@ -444,7 +444,7 @@ def test_blocks_in_a_segment_file_are_located_in_runs_and_checked_where_they_lie
     """`locate` hands out runs of frames at one stride in a lender's file (what a batch put
     leaves in a fresh segment); `verify_in_place` checks what the reader read, after the
     read, and a frame that fails is a MISS left to `get`, which quarantines it."""
-    from kvtier.tiers.mooncake import MIN_RUN
+    from kvtier.tiers.mooncake.tier import MIN_RUN
     lender, reader, files = lent_file
     keys, frames = frames_for(3 * MIN_RUN, 4096)
     assert lender.put(keys, frames) == [True] * len(keys)
@@ -522,7 +522,7 @@ def test_a_frame_rewritten_while_it_is_read_in_place_never_passes_the_check(lent
     """Reading first and checking after is safe against a frame that changes meanwhile
     (its space reused by another block): whatever `verify_in_place` confirms equals what
     the reader read before, even with the frames rewritten under it while it reads."""
-    from kvtier.tiers.mooncake import MIN_RUN
+    from kvtier.tiers.mooncake.tier import MIN_RUN
     lender, reader, files = lent_file
     keys, frames, runs, at = put_and_locate(lender, reader, 4 * MIN_RUN)
     [seg] = files.glob("kvtier-seg-*")
@@ -557,7 +557,7 @@ def test_a_frame_replaced_and_put_back_while_read_fails_the_check_of_what_was_re
     """The one change a check of the frame where it lies could not see: the reader reads
     another block's bytes where its frame was, and the frame is back before the check. The
     check of checksums of what the reader used sees it; every other block still passes."""
-    from kvtier.tiers.mooncake import MIN_RUN
+    from kvtier.tiers.mooncake.tier import MIN_RUN
     lender, reader, files = lent_file
     keys, frames, runs, at = put_and_locate(lender, reader, 2 * MIN_RUN)
     [seg] = files.glob("kvtier-seg-*")
@@ -582,7 +582,7 @@ def test_a_frame_replaced_and_put_back_while_read_fails_the_check_of_what_was_re
 
 
 def test_in_place_runs_are_one_mapping_one_stride_one_size():
-    from kvtier.tiers.mooncake import MIN_RUN, _runs
+    from kvtier.tiers.mooncake.tier import MIN_RUN, _runs
     a, b = memoryview(bytearray(1 << 20)), memoryview(bytearray(1 << 20))
     n = MIN_RUN
 
@@ -601,7 +601,7 @@ def test_in_place_runs_are_one_mapping_one_stride_one_size():
 
 def test_segment_files_of_dead_lenders_are_swept_and_a_full_dir_is_a_clear_error(
         tmp_path, monkeypatch):
-    from kvtier.tiers import mooncake_files
+    from kvtier.tiers.mooncake import segments as mooncake_files
     files = tmp_path / "shm"
     files.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -626,7 +626,7 @@ def test_segment_files_of_dead_lenders_are_swept_and_a_full_dir_is_a_clear_error
 def test_segment_mappings_follow_their_files(tmp_path, monkeypatch):
     """A reader drops the mapping of a lender that stopped (it would keep the file's memory
     alive) and maps the file of a new lender at the same endpoint."""
-    from kvtier.tiers import mooncake_files
+    from kvtier.tiers.mooncake import segments as mooncake_files
     monkeypatch.setattr(mooncake_files, "REFRESH_S", 0.0)
     old = tmp_path / mooncake_files.file_name("127.0.0.1:7000", 0x1000, os.getpid())
     old.write_bytes(b"a" * 4096)
@@ -656,7 +656,7 @@ def _resident_kib(path: Path) -> int:
 
 def test_a_new_mapping_has_its_pages_mapped_in_the_background(tmp_path):
     """Reads must not pay a page fault per 4 KiB of a segment seen for the first time."""
-    from kvtier.tiers import mooncake_files
+    from kvtier.tiers.mooncake import segments as mooncake_files
     shm = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{tmp_path.name}"
     shm.mkdir()
     try:

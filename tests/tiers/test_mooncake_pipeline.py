@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.mooncake_pipeline import plan_chunks, run_pipeline
+from kvtier.tiers.mooncake.pipeline import plan_chunks, run_pipeline
 
 MiB = 1 << 20
 

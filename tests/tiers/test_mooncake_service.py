@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from conftest import make_policy
-from kvtier.store.block import HEADER_SIZE, encode
-from kvtier.store.errors import TierUnavailableError
-from kvtier.store.index import Index
-from kvtier.store.keys import Namespace
-from kvtier.store.master import free_port, master_answers
+from kvtier.store.base.block import HEADER_SIZE, encode
+from kvtier.store.base.errors import TierUnavailableError
+from kvtier.store.base.index import Index
+from kvtier.store.base.keys import Namespace
 from kvtier.tiers import MISS, TierContext, open_tier
-from kvtier.tiers.mooncake_service import (PoolService, read_segment, service_log,
+from kvtier.tiers.mooncake.master import free_port, master_answers
+from kvtier.tiers.mooncake.service import (PoolService, read_segment, service_log,
                                           service_segment)
 
 NS = Namespace(model="kvtier-test-pool-service").fingerprint()
@@ -156,10 +156,10 @@ def open_joined_cfg(root: Path, master):
 
 
 def _master(master):
-    from kvtier.store.config import MasterConfig
+    from kvtier.store.base.config import MasterConfig
     return MasterConfig(address=master.address, embedded=False)
 
 
 def _addr(view) -> int:
-    from kvtier.tiers.mooncake_client import buffer_address
+    from kvtier.tiers.mooncake.client import buffer_address
     return buffer_address(view)

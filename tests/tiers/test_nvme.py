@@ -13,14 +13,14 @@ from dataclasses import replace
 
 import pytest
 
-from kvtier.store import block
-from kvtier.store.errors import ConfigError
-from kvtier.store.index_record import Entry
+from kvtier.store.base import block
+from kvtier.store.base.errors import ConfigError
+from kvtier.store.base.index_record import Entry
 from kvtier.tiers import MISS
-from kvtier.tiers.buffers import BouncePool
-from kvtier.tiers.io_engines import IOOp, make_engine
-from kvtier.tiers import regions
-from kvtier.tiers.regions import pack_loc, unpack_loc
+from kvtier.tiers.files.buffers import BouncePool
+from kvtier.tiers.nvme import regions
+from kvtier.tiers.nvme.io_engines import IOOp, make_engine
+from kvtier.tiers.nvme.regions import pack_loc, unpack_loc
 from tier_factories import (KiB, MiB, Spec, check_hit, close, frame_for, keys_for, open_spec,
                             out_for)
 
@@ -99,8 +99,8 @@ _DEAD_WRITER = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, sys.argv[1])
     from tier_factories import Spec, open_spec, keys_for, frame_for
-    from kvtier.store.index_record import Entry
-    from kvtier.tiers.regions import pack_loc
+    from kvtier.store.base.index_record import Entry
+    from kvtier.tiers.nvme.regions import pack_loc
     tier = open_spec(Spec(sys.argv[2], sys.argv[3], capacity="4MiB",
                           extra={"region_size": "1MiB"}))
     tier.put(keys_for(100, 2), [frame_for(k, 1000) for k in keys_for(100, 2)])
@@ -295,3 +295,32 @@ def test_bounce_buffers_are_never_shared_with_a_forked_child():
     assert os.waitpid(pid, 0)[1] == 0
     again = pool.take(64 * KiB)
     assert again is buf and bytes(again[:4]) == b"mine"
+
+
+def test_uring_runs_io_uring_where_the_bindings_work_here():
+    from kvtier.tiers.nvme import uring
+    why = uring.crash_reason()
+    if why is not None:
+        pytest.skip(f"the installed liburing bindings cannot run on this machine: {why}")
+    engine = make_engine("uring", 8)
+    try:
+        assert isinstance(engine, uring.UringEngine)
+    finally:
+        engine.close()
+
+
+def test_bindings_that_would_kill_the_process_fall_back_to_psync(monkeypatch, caplog):
+    from kvtier.tiers.nvme import io_engines, uring
+    # A child that really dies of SIGILL, as one running a build for another CPU does.
+    monkeypatch.setattr(uring, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    uring.crash_reason.cache_clear()
+    uring._warn_once.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            engine = make_engine("uring", 8)
+        assert isinstance(engine, io_engines.PsyncEngine)
+        assert "SIGILL" in caplog.text and "io.engine: psync" in caplog.text
+        assert uring.crash_reason() is not None  # probed once per process, then remembered
+    finally:
+        uring.crash_reason.cache_clear()
+        uring._warn_once.cache_clear()

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.store import block
-from kvtier.store.errors import TierError
+from kvtier.store.base import block
+from kvtier.store.base.errors import TierError
 from kvtier.tiers import MISS
-from kvtier.tiers.sharedfs_files import QUARANTINE, block_path
+from kvtier.tiers.sharedfs.files import QUARANTINE, block_path
 from tier_factories import (KiB, MiB, Spec, check_hit, close, finish_worker, frame_for,
                             keys_for, open_spec, out_for, start_worker)
 

@@ -18,17 +18,17 @@ from typing import Callable
 
 import numpy as np
 
-from kvtier.store import block
-from kvtier.store.config import (MasterConfig, MooncakeTierConfig, NvmeTierConfig,
+from kvtier.store.base import block
+from kvtier.store.base.config import (MasterConfig, MooncakeTierConfig, NvmeTierConfig,
                                  SharedFSTierConfig)
-from kvtier.store.index import Index
-from kvtier.store.keys import Namespace, id_chain_hashes, make_keys
-from kvtier.store.master import free_port, master_answers
-from kvtier.store.units import parse_size
+from kvtier.store.base.index import Index
+from kvtier.store.base.keys import Namespace, id_chain_hashes, make_keys
+from kvtier.store.base.units import parse_size
 from kvtier.tiers import Tier, TierContext, open_tier
-from kvtier.tiers.mooncake_service import PoolService
-from kvtier.tiers.regions import unpack_loc
-from kvtier.tiers.sharedfs_files import block_path
+from kvtier.tiers.mooncake.master import free_port, master_answers
+from kvtier.tiers.mooncake.service import PoolService
+from kvtier.tiers.nvme.regions import unpack_loc
+from kvtier.tiers.sharedfs.files import block_path
 
 NS = Namespace(model="kvtier-test-tiers").fingerprint()
 OTHER_NS = Namespace(model="kvtier-test-other-ns").fingerprint()

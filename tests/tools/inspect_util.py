@@ -18,15 +18,15 @@ from pathlib import Path
 
 import yaml
 
-from kvtier.store import block
-from kvtier.store.config import load_policy
-from kvtier.store.index import Index
-from kvtier.store.index_record import Entry, encode_entry
-from kvtier.store.keys import Namespace, block_keys
+from kvtier.store.base import block
+from kvtier.store.base.config import load_policy
+from kvtier.store.base.index import Index
+from kvtier.store.base.index_record import Entry, encode_entry
+from kvtier.store.base.keys import Namespace, block_keys
 from kvtier.store.tiered import SessionHint, TieredStore
 from kvtier.tiers import MISS
-from kvtier.tiers.region_rows import BLK, unpack_loc
-from kvtier.tiers.sharedfs_files import block_path
+from kvtier.tiers.nvme.region_rows import BLK, unpack_loc
+from kvtier.tiers.sharedfs.files import block_path
 
 PAYLOAD = 40_000
 NS = Namespace(model="inspect-test", chunk_tokens=16)
@@ -104,8 +104,8 @@ def rewrite_entry(index: Index, tier: str, key: str, **changes) -> Entry:
     """Overwrite an entry's record in the index (counters untouched, as a bug would)."""
     e = index.get(tier, [key], ready_only=False)[0]
     assert e is not None, f"{key} has no entry in {tier}"
-    with index.write() as txn:
-        txn.put(index._k(key, tier), encode_entry(e.replace(**changes)), db=index.db("blocks"))
+    with index._txn(write=True) as txn:
+        txn.put(index._k(key, tier), encode_entry(e.replace(**changes)), db=index._db("blocks"))
     return e
 
 
@@ -128,8 +128,9 @@ def drop_region_row(index: Index, key: str) -> None:
     """Delete the region table's record of where `key` was allocated."""
     e = index.get("nvme", [key])[0]
     slot, gen = unpack_loc(e.loc_a)
-    db = index.table("nvme.nvme")
-    with index.write() as txn:
+    index.open_table("nvme.nvme")
+    db = index._db("nvme.nvme")
+    with index._txn(write=True) as txn:
         assert txn.delete(b"B" + BLK.pack(slot, gen, e.loc_b), db=db)
 
 
@@ -191,7 +192,9 @@ def tree_state(root: Path) -> dict:
 
 def index_state(index: Index) -> dict:
     """Every row of the index's tables (what a read-only run keeps)."""
-    dbs = {n: index.db(n) for n in ("blocks", "pending", "tierstats", "sessions", "meta")}
-    dbs.update({n: index.table(n) for n in ("nvme.nvme", "sharedfs.shared")})
-    with index.read() as txn:
+    for n in ("nvme.nvme", "sharedfs.shared"):
+        index.open_table(n)
+    dbs = {n: index._db(n) for n in ("blocks", "pending", "tierstats", "sessions", "meta",
+                                     "nvme.nvme", "sharedfs.shared")}
+    with index._txn(write=False) as txn:
         return {n: dict(txn.cursor(db=db)) for n, db in dbs.items()}

@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from inspect_util import PAYLOAD, frames_for, payload_of, session_keys  # noqa: E402
 
-from kvtier.store import block  # noqa: E402
-from kvtier.store.config import load_policy  # noqa: E402
-from kvtier.store.index import Index  # noqa: E402
-from kvtier.store.index_record import Entry  # noqa: E402
+from kvtier.store.base import block  # noqa: E402
+from kvtier.store.base.config import load_policy  # noqa: E402
+from kvtier.store.base.index import Index  # noqa: E402
+from kvtier.store.base.index_record import Entry  # noqa: E402
 from kvtier.store.tiered import SessionHint, TieredStore  # noqa: E402
 from kvtier.tiers import MISS  # noqa: E402
 

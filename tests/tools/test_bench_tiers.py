@@ -8,8 +8,10 @@ import shutil
 
 import pytest
 
-from kvtier.tools import bench_fio, bench_tiers
-from kvtier.tools.bench_report import Row, check_targets, link_references
+from kvtier.tools.bench import fio as bench_fio
+
+from kvtier.tools.bench import tiers as bench_tiers
+from kvtier.tools.bench.report import Row, check_targets, link_references
 
 KiB, MiB = 1 << 10, 1 << 20
 TINY = bench_tiers.BenchSpec(sizes=(256 * KiB,), batches=(1, 4), op_bytes=2 * MiB,

@@ -1,4 +1,4 @@
-"""`tools.gap_info`: how much of the next gap what a server knows at a turn's end explains,
+"""`tools.policysim.gap_info`: how much of the next gap what a server knows at a turn's end explains,
 on workloads built so the answer is known (a feature that sets the gap, a class that does,
 gaps drawn independently, gaps that follow the session's last one)."""
 
@@ -11,9 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtier.tools.cli import app
-from kvtier.tools.gap_info import gap_info, told_sigma, turn_gaps
-from kvtier.tools.synthetic import SyntheticSpec, synthetic
-from kvtier.tools.traces import build
+from kvtier.tools.policysim.gap_info import gap_info, told_sigma, turn_gaps
+from kvtier.tools.workload.synthetic import SyntheticSpec, synthetic
+from kvtier.tools.workload.traces import build
 
 SESSIONS, TURNS = 80, 30
 

@@ -19,16 +19,16 @@ from inspect_util import (NS, PAYLOAD, aged, dead_pid, drop_region_row, fill, fl
                           frames_for, index_state, kill_pending_writer, nvme_offset, readable,
                           rewrite_entry, session_keys, shared_file, start_worker, tree_state,
                           wait_line, write_policy)
-from kvtier.store import block
-from kvtier.store.check import check_node, gc_node
-from kvtier.store.errors import IndexError_
-from kvtier.store.index import Index
-from kvtier.store.index_record import Entry
-from kvtier.store.keys import block_keys
+from kvtier.store.base import block
+from kvtier.store.base.errors import IndexError_
+from kvtier.store.base.index import Index
+from kvtier.store.base.index_record import Entry
+from kvtier.store.base.keys import block_keys
+from kvtier.store.check.node import check_node, gc_node
 from kvtier.store.tiered import TieredStore
-from kvtier.tiers import check_files
-from kvtier.tiers.regions import pack_loc, unpack_loc
-from kvtier.tiers.sharedfs_files import QUARANTINE, write_block
+from kvtier.tiers.files import check as check_files
+from kvtier.tiers.nvme.regions import pack_loc, unpack_loc
+from kvtier.tiers.sharedfs.files import QUARANTINE, write_block
 from kvtier.tools.cli import app
 
 runner = CliRunner()

@@ -11,13 +11,13 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtier.tools.cli import app
-from kvtier.tools.online_bound import (DT_S, _bound, _Dual, _spread, online_bound,
+from kvtier.tools.policysim.online_bound import (DT_S, _bound, _Dual, _spread, online_bound,
                                        returns_of)
-from kvtier.tools.segments import compile_workload
-from kvtier.tools.sim_oracle import GapOracleReplay
-from kvtier.tools.sim_tiered import TieredReplay
-from kvtier.tools.simulate import Replay, SimParams, total_input_tokens
-from kvtier.tools.synthetic import SyntheticSpec, synthetic
+from kvtier.tools.policysim.oracle import GapOracleReplay
+from kvtier.tools.policysim.replay import Replay, SimParams, total_input_tokens
+from kvtier.tools.policysim.segments import compile_workload
+from kvtier.tools.policysim.tiered import TieredReplay
+from kvtier.tools.workload.synthetic import SyntheticSpec, synthetic
 
 ONLINE = ("lru", "s3fifo", "arc", "agentic")
 
@@ -121,7 +121,7 @@ def test_tiered_replay_with_roomy_lower_tiers_loses_nothing(small):
 
 
 def test_gap_classes_can_be_coarsened_to_tool_or_person_or_dropped():
-    from kvtier.tools.traces import GAP_CLASSES, restrict_gap_classes
+    from kvtier.tools.workload.traces import GAP_CLASSES, restrict_gap_classes
     names = (None, "tool:text+tool_use", "user", "tool:tool_use")
     codes = np.array([0, 1, 2, 3, 1], dtype=np.int8)
     want = {"trace": (names, [0, 1, 2, 3, 1]), "tool-user": (GAP_CLASSES, [0, 1, 2, 1, 1]),
@@ -164,6 +164,6 @@ def test_cli_runs_a_small_simulation_and_writes_json(tmp_path):
     (["replay", "--simulate", "--gap-classes", "stops"], "--gap-classes: expected one of"),
 ])
 def test_cli_errors_are_one_clear_line(args, msg):
-    from kvtier.store.errors import KVTierError
+    from kvtier.store.base.errors import KVTierError
     with pytest.raises(KVTierError, match=msg):
         CliRunner().invoke(app, args, catch_exceptions=False, standalone_mode=False)

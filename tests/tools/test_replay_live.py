@@ -1,4 +1,4 @@
-"""The real-time replay driver (`tools.replay_live`) against scripted backends: requests go to
+"""The real-time replay driver (`tools.replay.live`) against scripted backends: requests go to
 an engine as they come (no batch barrier), at most `max_inflight` at once per instance, and a
 request's TTFT counts its wait in the instance's queue."""
 
@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from kvtier.tools.replay_engine_run import EngineSpec, build_plan
-from kvtier.tools import replay_live
-from kvtier.tools.replay_live import run_live
-from kvtier.tools.replay_router import make_router
+from kvtier.tools.replay import live as replay_live
+from kvtier.tools.replay.experiment import EngineSpec, build_plan
+from kvtier.tools.replay.live import run_live
+from kvtier.tools.replay.router import make_router
 
 SERVICE_S = 0.3  # each scripted request's length; the plan's sessions start ms apart
 

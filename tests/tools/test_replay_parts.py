@@ -6,16 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.store.errors import KVTierError
-from kvtier.tools.replay_cluster import ReplayError, Sizing, configs
-from kvtier.tools.replay_engine_run import (EngineSpec, build_plan, kv_tokens_for,
+from kvtier.store.base.errors import KVTierError
+from kvtier.tools.replay.cluster import ReplayError, Sizing, configs
+from kvtier.tools.replay.experiment import (EngineSpec, build_plan, kv_tokens_for,
                                             run_engine_replay)
-from kvtier.tools.replay_metrics import kv_ratio, summarize
-from kvtier.tools.replay_model import PrefillModel, fit
-from kvtier.tools.replay_plan import PlanSpec, make_plan
-from kvtier.tools.replay_router import make_router
-from kvtier.tools.replay_sim import LocalCache
-from kvtier.tools.synthetic import SyntheticSpec, synthetic
+from kvtier.tools.replay.metrics import kv_ratio, summarize
+from kvtier.tools.replay.plan import PlanSpec, make_plan
+from kvtier.tools.replay.prefill_model import PrefillModel, fit
+from kvtier.tools.replay.router import make_router
+from kvtier.tools.replay.sim import LocalCache
+from kvtier.tools.workload.synthetic import SyntheticSpec, synthetic
 
 
 @pytest.fixture(scope="module")

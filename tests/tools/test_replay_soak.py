@@ -15,14 +15,14 @@ import random
 import pytest
 from typer.testing import CliRunner
 
-from kvtier.store import block
-from kvtier.store.errors import CorruptBlockError
-from kvtier.store.keys import id_chain_hashes, make_keys
+from kvtier.store.base import block
+from kvtier.store.base.errors import CorruptBlockError
+from kvtier.store.base.keys import id_chain_hashes, make_keys
 from kvtier.tools.cli import app
-from kvtier.tools.replay_faults import Balloon, SoakDisk, corrupt_block_file, corrupt_frame
-from kvtier.tools.replay_injector import FAULTS, Injector
-from kvtier.tools.replay_sim_worker import _Instance
-from kvtier.tools.replay_soak_report import verdict
+from kvtier.tools.replay.sim_worker import _Instance
+from kvtier.tools.replay.soak.faults import Balloon, SoakDisk, corrupt_block_file, corrupt_frame
+from kvtier.tools.replay.soak.injector import FAULTS, Injector
+from kvtier.tools.replay.soak.report import verdict
 
 PAYLOAD = 4096
 

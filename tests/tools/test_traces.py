@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.tools.segments import compile_workload
-from kvtier.tools.synthetic import SyntheticSpec, synthetic
-from kvtier.tools.traces import TraceError, load_mooncake, load_weka
+from kvtier.tools.policysim.segments import compile_workload
+from kvtier.tools.workload.synthetic import SyntheticSpec, synthetic
+from kvtier.tools.workload.traces import TraceError, load_mooncake, load_weka
 
 
 def weka_file(path, requests, **top):

@@ -1,0 +1,495 @@
+"""The `mooncake` tier: block frames in the cluster's pooled DRAM (a Mooncake Store).
+
+One store client per process (`tiers.mooncake.client`) lends `capacity` bytes of this
+process's memory to the pool and reads and writes objects wherever the master placed them.
+Each block is one object: key = block key, value = the whole frame (header + payload).
+
+Data path (batched Mooncake calls only):
+- `contains`: one `batch_is_exist` (it also renews the master's lease on the keys).
+- `put`: `batch_put_from`, with replication and soft pin from the policy. Frames that lie in
+  registered memory (`register`) go straight from the caller's buffer; others are copied into
+  the staging buffer registered once at open. A put is atomic per key in Mooncake (an object
+  becomes visible at PutEnd, whole). A batch sends each key once; an existing key is stored
+  (Mooncake answers 0 without a transfer), and counted in `puts` only if new to this process.
+- `get`: `batch_get_into`, straight into registered out buffers, else into staging and one
+  copy. Every frame is verified (`block.verify`); one that fails is counted in `corrupt`,
+  removed from the pool and from the index, and reported as MISS.
+- `locate` / `verify_in_place` (with `segment_dir`): runs of frames lying at one stride in
+  another process's segment file, handed out to be read where they lie, then checked
+  (`tiers.mooncake.segments`); the connector scatters them straight into the paged cache and
+  has its checksums of what landed there checked against the header the frame has then.
+- Large batches run as a two-stage pipeline: the transfer of one chunk (in a worker thread;
+  Mooncake releases the GIL) overlaps the checksum and copies of the chunk before it.
+
+Codes: -704 / -703 / -707 are misses; -800 (the segment holding the object belongs to a client
+that died; the master forgets it after its client TTL) is a miss counted in `errors`; -600 (the
+object is larger than the caller's out buffer) is the caller's ValueError, the block kept; -200
+(pool full, nothing evictable) is retried with exponential back-off from `retry_backoff_s`,
+then raised as `TierFullError`; a master that does not answer is `TierUnavailableError`, and
+the next call reconnects (see `mooncake_client`).
+
+Objects live in the segments of the clients that lent them: when a process exits, the blocks
+in its segment go away. `delete` forces removal past the master's read lease: a reader racing
+a delete can only see a torn frame, which verification turns into a miss.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+from kvtier.store.base.block import (HEADER_SIZE, KEY_AT, KEY_LEN, parse_header, verified_len,
+                                verify, verify_used)
+from kvtier.store.base.config import MooncakeTierConfig
+from kvtier.store.base.errors import CorruptBlockError
+from kvtier.tiers.base import MISS, InPlaceRun, Tier, full_error
+from kvtier.tiers.mooncake import check as mooncake_check
+from kvtier.tiers.mooncake.client import (INVALID_PARAMS, MISS_CODES, NO_AVAILABLE_HANDLE,
+                                          OK, TRANSFER_FAIL, MooncakeClient, buffer_address,
+                                          is_down)
+from kvtier.tiers.mooncake.pipeline import (MIN_CHUNK_BYTES, SERVICE_MIN_CHUNK_BYTES, Chunk,
+                                           plan_chunks, run_pipeline, worth_pipelining)
+from kvtier.tiers.mooncake.segments import Segments
+from kvtier.tiers.mooncake.usage import PoolUsage
+
+FULL_RETRIES = 4            # back-off steps on -200 before TierFullError
+ALREADY_EXISTS = -705
+MIN_RUN = 8                 # fewer frames at one stride are copied, not read in place
+PROBE_EVERY = 16            # a predicted run is checked at every 16th frame's key
+
+
+class MooncakeTier(Tier):
+    """Block frames in the Mooncake pool through this process's store client."""
+
+    kind = "mooncake"
+
+    def __init__(self, cfg: MooncakeTierConfig, ctx):
+        super().__init__(cfg.name, cfg.capacity_bytes)
+        self.cfg = cfg
+        self.ctx = ctx
+        self.client = MooncakeClient(cfg, ctx.master, lend=ctx.lend)
+        self._staging_lock = threading.Lock()  # one call at a time uses staging
+        # False sends every transfer through staging, registered or not (benchmarks, debugging).
+        self.zero_copy = True
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{cfg.name}")
+        self.usage = PoolUsage(cfg.capacity_bytes, self.client, ctx.master)
+        # Other processes' segments of this node, read straight from their files.
+        self.segments = Segments(cfg.segment_dir) if cfg.segment_dir else None
+
+    @property
+    def staging(self) -> memoryview:
+        """The client's registered scratch buffer (replaced when it reconnects to a service)."""
+        return self.client.staging
+
+    # ---- the contract --------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        with self.client.session() as store:
+            codes = store.batch_is_exist(list(keys))
+        out = []
+        for key, code in zip(keys, codes):
+            if is_down(code):
+                raise self.client.fail("batch_is_exist", code)
+            if code < 0:
+                self.stats.add(errors=1)
+            out.append(code == 1)
+        self.usage.forget([k for k, hit in zip(keys, out) if not hit])
+        return out
+
+    def put(self, keys: Sequence[str], frames: Sequence[memoryview]) -> list[bool]:
+        _check_lengths(keys, frames)
+        views = [_byte_view(f) for f in frames]
+        sizes = [_frame_len(k, v) for k, v in zip(keys, views)]
+        if len(set(keys)) == len(keys):
+            return self._put_unique(list(keys), views, sizes)
+        first: dict[str, int] = {}  # a batch sends each key once
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        idx = list(first.values())
+        got = self._put_unique(list(first), [views[i] for i in idx], [sizes[i] for i in idx])
+        stored = dict(zip(first, got))
+        return [stored[k] for k in keys]
+
+    def _put_unique(self, keys: list[str], views: list[memoryview],
+                    sizes: list[int]) -> list[bool]:
+        done = [False] * len(keys)
+        todo, delay = list(range(len(keys))), self.cfg.retry_backoff_s
+        for attempt in range(FULL_RETRIES + 1):
+            if len(todo) == len(keys):
+                codes = self._transfer("put", keys, views, sizes)
+            else:
+                codes = self._transfer("put", [keys[i] for i in todo],
+                                       [views[i] for i in todo], [sizes[i] for i in todo])
+            full = []
+            for i, code in zip(todo, codes):
+                done[i] = code in (OK, ALREADY_EXISTS)  # an existing key: no transfer, 0
+                if code == NO_AVAILABLE_HANDLE:
+                    full.append(i)
+                elif not done[i]:
+                    self.stats.add(errors=1)
+            new, nbytes = self.usage.stored([keys[i] for i in todo if done[i]],
+                                            [sizes[i] for i in todo if done[i]])
+            if new:  # Mooncake answers 0 for a key it holds: count keys new to this process
+                self.stats.add(puts=new, bytes_in=nbytes)
+            if not full:
+                return done
+            todo = full
+            if attempt < FULL_RETRIES:
+                time.sleep(delay)  # the master evicts at its high watermark, asynchronously
+                delay *= 2
+        raise full_error(self.name, f"the pool has nothing evictable: every object is leased "
+                         f"or pinned; {len(todo)} of {len(keys)} blocks not stored",
+                         "lend the pool more memory (capacity) or demote blocks to a lower tier",
+                         [k for k, ok in zip(keys, done) if ok])
+
+    def get(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int]:
+        _check_lengths(keys, outs)
+        if not keys:
+            return []
+        views = [_byte_view(o) for o in outs]
+        result = [MISS] * len(keys)
+        corrupt: list[str] = []
+        too_small: list[int] = []
+
+        def check(i: int, code: int, frame: memoryview) -> None:
+            if code >= 0:
+                try:
+                    result[i] = verified_len(frame[:code], keys[i], code)
+                except CorruptBlockError:
+                    corrupt.append(keys[i])
+            elif code == INVALID_PARAMS:  # the object is larger than the caller's buffer
+                too_small.append(i)
+            elif code == TRANSFER_FAIL or code not in MISS_CODES:
+                self.stats.add(errors=1)  # -800: the client lending that segment is gone
+
+        # Each key once: Mooncake's batch_get_into fills only the last buffer of a key that
+        # appears twice in a batch, yet answers success for every occurrence.
+        first: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        uniq = list(first.values())
+        if self.segments is not None:
+            uniq = self._get_direct(keys, views, uniq, result)
+        if uniq:
+            self._transfer("get", [keys[i] for i in uniq], [views[i] for i in uniq],
+                           [len(views[i]) for i in uniq], lambda j, c, f: check(uniq[j], c, f))
+        too_small = self._sound_frames(keys, too_small, corrupt)
+        if corrupt:
+            self._quarantine(corrupt)
+        if too_small:
+            # A caller's sizing bug, not a reason to wipe a block the whole cluster shares
+            # (a namespace fixes its frame size); as the file tiers do, refuse loudly.
+            i = too_small[0]
+            raise ValueError(f"out buffer of {len(views[i])} bytes is smaller than the stored "
+                             f"frame of {keys[i]} ({len(too_small)} such); size out buffers "
+                             "for the namespace's frame (HEADER_SIZE + block bytes)")
+        for i, key in enumerate(keys):
+            src, n = first[key], result[first[key]]
+            if src != i and n != MISS:
+                views[i][:HEADER_SIZE + n] = views[src][:HEADER_SIZE + n]
+                result[i] = n
+        self.stats.add_reads(result, corrupt=len(corrupt))
+        self.usage.forget([k for k, n in zip(keys, result) if n == MISS])
+        return result
+
+    def _get_direct(self, keys: Sequence[str], views: list[memoryview], todo: list[int],
+                    result: list[int]) -> list[int]:
+        """Copy the blocks that lie in segment files of this node straight out of them
+        (`tiers.mooncake.segments`); returns the indices left for the transfer. A block not
+        found, in another node's segment, or whose frame fails its check goes the usual
+        way (which tells a miss, an error and a corrupt block apart)."""
+        places = self._places([keys[i] for i in todo])
+        if places is None:
+            return todo
+        left = []
+        for i, place in zip(todo, places):
+            if place is None or place[2] > len(views[i]):
+                left.append(i)
+                continue
+            mem, off, n = place
+            views[i][:n] = mem[off:off + n]
+            try:
+                result[i] = verified_len(views[i][:n], keys[i], n)
+            except CorruptBlockError:
+                # a bad frame, a frame overwritten meanwhile, or a stale mapping (a new
+                # lender at the same endpoint)
+                self.segments.recheck()
+                left.append(i)
+        return left
+
+    def _places(self, keys: Sequence[str]) -> list[tuple[memoryview, int, int] | None] | None:
+        """Where each block lies in a segment file of this node: (the mapped segment, the
+        frame's offset in it, its length), or None; None for all when the master cannot
+        say. The query leases the blocks: the master neither evicts nor moves them for a
+        few seconds (a forced `delete` still can; readers verify what they read)."""
+        try:
+            with self.client.session() as store:
+                descs = store.batch_get_replica_desc(list(keys))
+        except Exception:  # noqa: BLE001 - the transfer path reports what is wrong
+            return None
+        # Every attribute of a descriptor is a pybind call, and 511 keys are a 16K-token
+        # hit: one segment lookup per endpoint, and no look at the replica's status (a
+        # replica still being written fails the reader's check like any torn frame).
+        segs: dict[str, tuple[memoryview, int] | None] = {}
+        out: list[tuple[memoryview, int, int] | None] = []
+        for key in keys:
+            place = None
+            for d in descs.get(key, ()):
+                if d.is_memory_replica():
+                    bd = d.get_memory_descriptor().buffer_descriptor
+                    endpoint = bd.transport_endpoint
+                    if endpoint not in segs:
+                        segs[endpoint] = self.segments.view(endpoint)
+                    if segs[endpoint] is not None:
+                        mem, base = segs[endpoint]
+                        off, n = bd.buffer_address - base, bd.size
+                        if 0 <= off and off + n <= len(mem):
+                            place = (mem, off, n)
+                        break
+            out.append(place)
+        return out
+
+    def locate(self, keys: Sequence[str]) -> list[InPlaceRun]:
+        """Runs of consecutive `keys` whose frames lie at one stride in a segment file of
+        this node, to be read where they lie (no copy); blocks outside every run are left to
+        `get`. Only runs of `MIN_RUN` blocks or more are worth it (each is one batched op
+        for the caller). What a run holds is unverified until `verify_in_place` says so.
+        """
+        if (self.segments is None or not self.cfg.read_in_place or len(keys) < MIN_RUN
+                or len(set(keys)) != len(keys)):
+            return []
+        run = self._predict(keys)
+        if run is not None:
+            return [run]
+        places = self._places(keys)
+        return [] if places is None else _runs(places)
+
+    def _predict(self, keys: Sequence[str]) -> InPlaceRun | None:
+        """One run over all `keys`, from where the first and the last lie, if frames spaced
+        evenly between them hold the keys' headers at every `PROBE_EVERY`-th place (what a
+        batch put leaves in a segment): two descriptors instead of one per key, which cost
+        ~2 ms at 511 keys. A frame the prediction gets wrong fails `verify_in_place`."""
+        ends = self._places([keys[0], keys[-1]])
+        if ends is None or ends[0] is None or ends[1] is None:
+            return None
+        (mem, first, size), (mem_last, last, size_last) = ends
+        n = len(keys)
+        stride, rem = divmod(last - first, n - 1)
+        if mem_last is not mem or size_last != size or rem or stride < size:
+            return None
+        for j in (*range(1, n - 1, PROBE_EVERY), n - 2):
+            at = first + j * stride + KEY_AT
+            if mem[at:at + KEY_LEN] != bytes.fromhex(keys[j]):
+                return None
+        return InPlaceRun(0, n, mem, first, stride, size)
+
+    def verify_in_place(self, keys: Sequence[str], runs: Sequence[InPlaceRun],
+                        checksums: Sequence[int | None]) -> list[int]:
+        """Check what the caller read from `runs`; payload length per key, `MISS` for a key
+        outside the runs or whose frame failed (overwritten since, or bad: `get` reads it
+        again the usual way, which quarantines a bad one).
+
+        `checksums[i]` is the caller's checksum of the payload it used for key `i`,
+        computed where it put it: that must be what the header the key's frame has now
+        seals. So what passes is byte for byte a payload stored under the key, whatever the
+        segment went through; a check of the frame where it lies could not see one replaced
+        and put back while it was read."""
+        result = [MISS] * len(keys)
+        failed = 0
+        for run in runs:
+            plen = run.size - HEADER_SIZE
+            for j in range(run.count):
+                i, off = run.first + j, run.offset + j * run.stride
+                try:
+                    verify_used(run.mem[off:off + HEADER_SIZE], keys[i], plen, checksums[i])
+                    result[i] = plen
+                except CorruptBlockError:
+                    failed += 1
+        if failed:
+            self.segments.recheck()
+        hits = [n for n in result if n != MISS]
+        self.stats.add(hits=len(hits), in_place=len(hits),
+                       bytes_out=sum(hits) + HEADER_SIZE * len(hits))
+        return result
+
+    def delete(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        with self.client.session() as store:
+            codes = store.batch_remove(list(keys), True)
+        removed = 0
+        for code in codes:
+            if is_down(code):
+                raise self.client.fail("batch_remove", code)
+            removed += code == OK
+        self.usage.forget(keys)
+        self.usage.refresh()  # the master's reading predates the removal
+        self.stats.add(deletes=removed)
+        return removed
+
+    def used_bytes(self) -> int:
+        return self.usage.used_bytes()
+
+    def check(self, progress=None):
+        return mooncake_check.check(self, progress)
+
+    def repair(self, problems) -> int:
+        return mooncake_check.repair(self, problems)
+
+    def register(self, buf) -> None:
+        """Register `buf` so puts from it and gets into it skip the staging copy (with a pool
+        service only `alloc_shared` memory can be; others keep the copy)."""
+        self.client.register(buf)
+
+    def alloc_shared(self, nbytes: int) -> memoryview:
+        """Page-aligned memory the pool moves frames to and from without a copy."""
+        return self.client.alloc_shared(nbytes)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+        self.client.close()
+        if self.segments is not None:
+            self.segments.close()
+
+    # ---- transfers -----------------------------------------------------------------------
+
+    def _transfer(self, op: str, keys: Sequence[str], views: list[memoryview],
+                  sizes: list[int], check=None) -> list[int]:
+        """Run a batched put or get over direct and staged chunks; return per-key codes."""
+        # Registrations and staging are read inside the session: a reconnect to a new pool
+        # service replaces both.
+        with self.client.session() as store:
+            return self._transfer_on(store, op, keys, views, sizes, check)
+
+    def _transfer_on(self, store, op: str, keys: Sequence[str], views: list[memoryview],
+                     sizes: list[int], check) -> list[int]:
+        addrs = [buffer_address(v) for v in views]
+        registered = self.client.registered
+        direct = [self.zero_copy and registered(a, n) for a, n in zip(addrs, sizes)]
+        call = "batch_put_from" if op == "put" else "batch_get_into"
+        min_chunk = SERVICE_MIN_CHUNK_BYTES if self.cfg.service else MIN_CHUNK_BYTES
+        if all(direct) and (op == "put" or not worth_pipelining(sum(sizes), min_chunk)):
+            # One call, nothing to stage or to overlap: skip the pipeline's bookkeeping,
+            # which is a sizeable share of a 256 KiB call (~0.1-0.2 ms in Mooncake).
+            codes = (store.batch_put_from(list(keys), addrs, sizes, self.client.replicate)
+                     if op == "put" else store.batch_get_into(list(keys), addrs, sizes))
+            for i, code in enumerate(codes):
+                if is_down(code):
+                    raise self.client.fail(call, code)
+                if check is not None:
+                    check(i, code, views[i])
+            return codes
+        staging = self.client.staging
+        chunks = plan_chunks(sizes, direct, len(staging), merge_direct=(op == "put"),
+                             min_chunk=min_chunk)
+        codes = [0] * len(keys)
+        staging_addr = buffer_address(staging)
+
+        def xfer(chunk: Chunk) -> list[int]:
+            ptrs = ([staging_addr + off for off in chunk.offsets] if chunk.staged
+                    else [addrs[i] for i in chunk.idx])
+            ks, ns = [keys[i] for i in chunk.idx], [sizes[i] for i in chunk.idx]
+            if op == "put":
+                return store.batch_put_from(ks, ptrs, ns, self.client.replicate)
+            return store.batch_get_into(ks, ptrs, ns)
+
+        def pre(chunk: Chunk) -> None:  # put: copy frames into staging
+            if op == "put" and chunk.staged:
+                for i, off in zip(chunk.idx, chunk.offsets):
+                    staging[off:off + sizes[i]] = views[i][:sizes[i]]
+
+        def post(chunk: Chunk, got: list[int]) -> None:
+            for j, (i, code) in enumerate(zip(chunk.idx, got)):
+                codes[i] = code
+                if is_down(code):
+                    raise self.client.fail(call, code)
+                if check is None:
+                    continue
+                frame = views[i]
+                if chunk.staged and code > 0:  # staged get: one copy out
+                    off = chunk.offsets[j]
+                    frame[:code] = staging[off:off + code]
+                check(i, code, frame)
+
+        args = (self._worker, chunks, xfer, pre, post, len(staging))
+        if any(c.staged for c in chunks):
+            with self._staging_lock:
+                run_pipeline(*args)
+        else:
+            run_pipeline(*args)
+        return codes
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+
+    def _sound_frames(self, keys: Sequence[str], idx: list[int], corrupt: list[str]
+                      ) -> list[int]:
+        """Of objects too big for their out buffers, those that are whole frames of their key
+        (the caller's sizing bug); the others (junk after a frame, a forged header) go to
+        `corrupt`. Read whole, one by one: this is an error path."""
+        sound = []
+        with self.client.session() as store:
+            for i in idx:
+                obj = store.get(keys[i])
+                try:
+                    verify(obj, keys[i])
+                    if parse_header(obj).frame_len != len(obj):
+                        raise CorruptBlockError("bytes after the frame")
+                    sound.append(i)
+                except CorruptBlockError:
+                    corrupt.append(keys[i])
+        return sound
+
+    def _quarantine(self, keys: list[str]) -> None:
+        """Drop corrupt objects from the pool and the node's index (never returned)."""
+        with self.client.session() as store:
+            store.batch_remove(keys, True)
+        if self.ctx.index is not None:
+            self.ctx.index.delete(self.name, keys)
+        self.usage.forget(keys)
+
+
+def _frame_len(key: str, view: memoryview) -> int:
+    """The length of the sealed frame at the start of `view`; ValueError on a caller's bug."""
+    header = parse_header(view)
+    if header.key != key:
+        raise ValueError(f"frame sealed for {header.key}, not {key}; seal it for its key")
+    if len(view) < header.frame_len:
+        raise ValueError(f"frame of {len(view)} bytes is shorter than its header says "
+                         f"({header.frame_len}); pass the whole sealed frame")
+    return header.frame_len
+
+
+def _byte_view(buf) -> memoryview:
+    """A flat unsigned-byte view of `buf` (slices then count bytes, whatever its format)."""
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _check_lengths(keys: Sequence[str], bufs: Sequence) -> None:
+    if len(keys) != len(bufs):
+        raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers; pass one buffer per key")
+
+
+def _runs(places: Sequence[tuple[memoryview, int, int] | None]) -> list[InPlaceRun]:
+    """Maximal runs of consecutive places in one mapping at one stride, `MIN_RUN` or longer."""
+    runs: list[InPlaceRun] = []
+    i = 0
+    while i < len(places):
+        if places[i] is None:
+            i += 1
+            continue
+        mem, off, size = places[i]
+        j = i + 1
+        stride = places[j][1] - off if j < len(places) and places[j] is not None else 0
+        while (j < len(places) and places[j] is not None and places[j][0] is mem
+               and places[j][2] == size and places[j][1] == off + (j - i) * stride
+               and stride >= size):
+            j += 1
+        if j - i >= MIN_RUN:
+            runs.append(InPlaceRun(i, j - i, mem, off, stride, size))
+        i = j
+    return runs

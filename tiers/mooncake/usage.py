@@ -1,0 +1,95 @@
+"""How much of the pool the mooncake tier accounts for (`used_bytes`).
+
+`PoolUsage` answers with the bytes the master has allocated in this process's segment, read
+from its metrics endpoint (`segment_allocated_bytes{segment=...}`) when the endpoint is known:
+set explicitly, the master this process started, or `metrics_port` in the master's flags.
+Otherwise it answers with the frames this process put and has not seen deleted, missing or
+corrupt since (an estimate: evictions by the master show up only when a lookup misses).
+Both are capped at the segment's capacity. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from typing import Sequence
+
+from kvtier.store.base.config import MasterConfig
+
+METRICS_MAX_AGE_S = 1.0
+
+
+class PoolUsage:
+    """Bytes this process put (key -> size), and the master's view when reachable."""
+
+    def __init__(self, capacity_bytes: int, client, master: MasterConfig):
+        self.capacity_bytes = capacity_bytes
+        self.client = client  # its segment name, and the master it may have started
+        self.master = master
+        self.url: str | None = None  # set to read usage from this metrics endpoint
+        self._mine: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._cache = (0.0, 0)  # (monotonic time, bytes) of the last metrics read
+        self._since = 0  # bytes of new frames put since that read
+
+    def stored(self, keys: Sequence[str], sizes: Sequence[int]) -> tuple[int, int]:
+        """Remember stored frames; return (how many, bytes) were new to this process."""
+        new = nbytes = 0
+        with self._lock:
+            mine = self._mine
+            for key, size in zip(keys, sizes):
+                if key not in mine:
+                    new, nbytes = new + 1, nbytes + size
+                mine[key] = size
+            self._since += nbytes
+        return new, nbytes
+
+    def forget(self, keys: Sequence[str]) -> None:
+        if keys and self._mine:
+            with self._lock:
+                for key in keys:
+                    self._mine.pop(key, None)
+
+    def refresh(self) -> None:
+        """Drop the cached metrics reading (the next call reads the endpoint again)."""
+        with self._lock:
+            self._cache, self._since = (0.0, 0), 0
+
+    def used_bytes(self) -> int:
+        measured = self._from_metrics()
+        if measured is not None:
+            # Plus what this process put since the reading (metrics are read at most once
+            # a second; a caller that just put expects to see it).
+            return min(self.capacity_bytes, measured + self._since)
+        with self._lock:
+            return min(self.capacity_bytes, sum(self._mine.values()))
+
+    def _find_url(self) -> str | None:
+        if self.url:
+            return self.url
+        owned = self.client.owned_master
+        if owned is not None:
+            return owned.metrics_url
+        port = self.master.extra_flags.get("metrics_port")
+        return f"http://{self.master.host}:{port}/metrics" if port else None
+
+    def _from_metrics(self) -> int | None:
+        url = self._find_url()
+        if not url or not self.client.segment:  # a service whose segment is not known
+            return None
+        at, value = self._cache
+        if time.monotonic() - at < METRICS_MAX_AGE_S:
+            return value
+        try:
+            with urllib.request.urlopen(url, timeout=0.5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return None  # metrics down: fall back to what this process put
+        seg = re.escape(self.client.segment)
+        m = re.search(rf'^segment_allocated_bytes\{{segment="{seg}"\}} (\S+)', text, re.M)
+        value = int(float(m.group(1))) if m else 0
+        with self._lock:
+            self._cache, self._since = (time.monotonic(), value), 0
+        return value

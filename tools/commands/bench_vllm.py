@@ -1,0 +1,85 @@
+"""`kvtier bench vllm` and `kvtier bench gather`: the connector's data paths, measured."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+
+def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in tokens"),
+         repeats: int = typer.Option(3, min=1, help="prompts per size and case (median)"),
+         chunk_tokens: int = typer.Option(32, help="policy chunk_tokens (32 = vLLM's block "
+                                          "size: a remote hit recomputes what a local one "
+                                          "does)"),
+         dtype: str = typer.Option("bfloat16", help="engine dtype (bfloat16, float32)"),
+         multiproc: bool = typer.Option(False, "--multiproc", help="vLLM's multi-process "
+                                        "engine (scheduler and worker apart; slow start)"),
+         pool: str = typer.Option("files", help="files: each engine lends its segment "
+                                  "from a /dev/shm file the other reads directly; service: "
+                                  "both engines join one pool service (shared memory); "
+                                  "embedded: each lends its own segment, the other reads "
+                                  "it over TCP"),
+         load: str = typer.Option("async", help="the connector's load setting: async, sync, "
+                                  "auto (sync when the engine runs nothing else)"),
+         dir: Optional[Path] = typer.Option(None, "--dir", help="keep the model, tiers and "
+                                            "logs here (default: a temp dir)"),
+         json_out: Optional[Path] = typer.Option(None, "--json", help="write the numbers here"),
+         ) -> None:
+    """TTFT on real vLLM engines: cold, local prefix hit, remote hit from dram/nvme/shared."""
+    from kvtier.tools.bench.vllm import BenchSpec, run_bench
+
+    spec = BenchSpec(sizes=tuple(int(s) for s in sizes.split(",")), repeats=repeats,
+                     chunk_tokens=chunk_tokens, dtype=dtype, inproc=not multiproc, pool=pool,
+                     load=load)
+    console = Console(width=max(110, Console().width))
+    with console.status("kvtier bench vllm") as status:
+        doc = run_bench(spec, dir, progress=lambda msg: status.update(f"bench vllm: {msg}"))
+    for stat in ("median", "min"):
+        render(console, doc, stat, f"kvtier bench vllm: TTFT in ms ({stat} of {repeats}), "
+                                   f"tiny Llama {dtype}, chunk {chunk_tokens}, pool {pool}, "
+                                   f"load {load}")
+    console.print(f"  b's first remote hit (maps a's segment; not in the table): "
+                  f"{doc['first_remote_hit_ms']} ms, {min(spec.sizes)} tokens")
+    for t in doc["targets"]:
+        mark = "[green]ok[/]" if t["ok"] else "[red]MISSED[/]"
+        console.print(f"  {t['size']:>6} tokens, {t['stat']:>6}: {t['what']}: {t['value']} "
+                      f"{mark}")
+    for res in doc["results"]:
+        for m in res["tier_mismatches"]:
+            console.print(f"  [yellow]tier mismatch[/] {m}")
+    if json_out is not None:
+        doc["command"] = "kvtier " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(doc, indent=2))
+
+
+def render(console: Console, doc: dict, stat: str, title: str) -> None:
+    """The TTFT table of one statistic (median or min)."""
+    from kvtier.tools.bench.vllm import CASES
+    table = Table(title=title)
+    for col in ("tokens", *CASES, "dram/local", "cold/dram"):
+        table.add_column(col, justify="right")
+    for res in doc["results"]:
+        med = res[f"{stat}_ms"]
+        cells = [f"{med[c]:.1f}" if med[c] is not None else "-" for c in CASES]
+        ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
+        table.add_row(str(res["size"]), *cells, ratio(med["dram"], med["local"]),
+                      ratio(med["cold"], med["dram"]))
+    console.print(table)
+
+
+def gather(ctx: typer.Context) -> None:
+    """Paged-KV gather/scatter through staging vs the bulk copy ceiling (CUDA or CPU);
+    options as `python -m kvtier.tools.bench.gather --help`."""
+    from kvtier.tools.bench import gather as bench_gather
+    bench_gather.main(ctx.args)
+
+
+GATHER_SETTINGS = {"allow_extra_args": True, "ignore_unknown_options": True}

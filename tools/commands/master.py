@@ -1,0 +1,81 @@
+"""`kvtier master` (the Mooncake master in the foreground) and `kvtier demo` (`tools.commands.demo`)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from kvtier.store.base.config import load_policy
+from kvtier.tiers.mooncake.master import EmbeddedMaster
+
+POLICY_OPT = typer.Option(None, "--policy", "-p", help="policy YAML (default: built in)")
+
+
+def master(policy: Optional[Path] = POLICY_OPT,
+           log: Optional[Path] = typer.Option(None, help="write the master's log here")) -> None:
+    """Run the Mooncake master with the policy's settings in the foreground (Ctrl-C stops)."""
+    cfg = load_policy(policy).master
+    console = Console()
+    with EmbeddedMaster(cfg, log_path=log) as m:
+        console.print(f"mooncake_master answering on [bold]{m.address}[/bold] "
+                      f"(metrics {m.metrics_url}); Ctrl-C to stop")
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+        try:
+            while m.alive():
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            console.print("stopping")
+    if m.proc is None:
+        return
+
+
+def pool_service(policy: Optional[Path] = POLICY_OPT) -> None:
+    """Run the node's pool service for the policy's mooncake tier in the foreground: the
+    segment every kvtier process on this node joins through shared memory (the tier's
+    `service` address). Ctrl-C stops it."""
+    from kvtier.store.base.errors import MasterError
+    from kvtier.tiers.mooncake.service import PoolService
+
+    pol = load_policy(policy)
+    tier = next((t for t in pol.tiers if t.kind == "mooncake" and t.service), None)
+    if tier is None:
+        raise typer.BadParameter("the policy has no mooncake tier with a `service` address; "
+                                 "set tiers[dram].service: 127.0.0.1:50052", param_hint="policy")
+    console = Console()
+    try:
+        service = PoolService(tier, pol.master).start()
+    except MasterError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from None
+    console.print(f"pool service for tier {tier.name!r} answering on [bold]{service.address}"
+                  f"[/bold], lending {tier.capacity_bytes >> 20} MiB to the master at "
+                  f"{pol.master.address} (log {service.log_path}); Ctrl-C to stop")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        while service.alive():
+            time.sleep(0.5)
+        console.print(f"[red]the pool service exited[/red]; see {service.log_path}")
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        console.print("stopping")
+    finally:
+        service.stop()
+
+
+def demo(instances: int = typer.Option(4, min=1, help="vLLM engine processes"),
+         sessions: int = typer.Option(8, min=1, help="agent sessions"),
+         turns: int = typer.Option(8, min=1, help="turns per session"),
+         scale: float = typer.Option(0.1, min=0.001, help="real tokens per workload token"),
+         speed: float = typer.Option(4.0, min=0.001, help="time runs this much faster"),
+         out: Path = typer.Option(Path("replay-out/demo"), help="report and plots go here"),
+         dram_only: bool = typer.Option(False, help="also run the DRAM-only pool")) -> None:
+    """The main job, scaled: real vLLM engines on kvtier vs their own prefix caches."""
+    from kvtier.tools.commands.demo import run_demo
+
+    run_demo(instances=instances, sessions=sessions, turns=turns, scale=scale, speed=speed,
+             out=out, baselines=("local", "dram-only") if dram_only else ("local",))

@@ -1,0 +1,118 @@
+"""The clusters a replay runs against: one per configuration, fresh, torn down after it.
+
+A configuration (`Config`) is what the comparison varies:
+- `kvtier`: every instance with the kvtier connector on the full stack: the DRAM pool (each
+  instance lends `dram_bytes / N` to it), an nvme dir per instance, one shared dir;
+- `dram-only`: the same pool, no nvme and no sharedfs (what a DRAM-only pool does when it
+  is small);
+- `local`: no connector: each instance has only vLLM's own prefix cache.
+Every cluster starts empty (its own master and directories), so configurations never see each
+other's blocks. Both engine kinds use the same node policies (`node_policy`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.store.base.block import HEADER_SIZE
+from kvtier.store.base.errors import KVTierError
+
+KINDS = ("kvtier", "dram-only", "local")
+MIN_SEGMENT = 16 << 20  # Mooncake's smallest segment
+MODEL_NAME = "tiny-llama"
+
+
+class ReplayError(KVTierError):
+    """A replay cannot run as asked; the message names the option to change."""
+
+
+@dataclass(frozen=True)
+class Config:
+    kind: str                     # kvtier | dram-only | local
+    dram_frac: float | None       # pool size as a fraction of the working set
+    label: str
+
+    @property
+    def uses_store(self) -> bool:
+        return self.kind != "local"
+
+
+def configs(dram_fracs: tuple[float, ...], baselines: tuple[str, ...]) -> list[Config]:
+    """kvtier at each DRAM size, the DRAM-only pool at each size below the working set (one
+    that holds it all hits as kvtier does; with a single size it runs anyway, as the
+    comparison asked for), then local-only once."""
+    many = len(dram_fracs) > 1
+    out = []
+    for f in dram_fracs:
+        suffix = f"@{100 * f:g}%" if many else ""
+        out.append(Config("kvtier", f, "kvtier" + suffix))
+    if "dram-only" in baselines:
+        out += [Config("dram-only", f, "dram-only" + (f"@{100 * f:g}%" if many else ""))
+                for f in dram_fracs if f < 1 or not many]
+    if "local" in baselines:
+        out.append(Config("local", None, "local"))
+    return out
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """Bytes of the stored blocks and of each tier, per instance."""
+
+    block_bytes: int              # payload of one chunk
+    working_set_bytes: int        # every distinct block of the plan, as frames
+    instances: int
+
+    def segment_bytes(self, frac: float) -> int:
+        """The DRAM each instance lends to the pool for a pool of `frac` x working set.
+        A pool meant to hold everything (`frac >= 1`) is raised to Mooncake's smallest
+        segment when it would fall below; a smaller one cannot be, and is an error."""
+        seg = int(frac * self.working_set_bytes / self.instances)
+        if seg < MIN_SEGMENT and frac >= 1:
+            return MIN_SEGMENT
+        if seg < MIN_SEGMENT:
+            need = MIN_SEGMENT * self.instances / max(frac * self.working_set_bytes, 1)
+            raise ReplayError(
+                f"a DRAM pool of {100 * frac:g}% of the working set (which is "
+                f"{self.working_set_bytes / 2**20:.0f} MiB) gives each of {self.instances} "
+                f"instances {seg / 2**20:.1f} MiB, below Mooncake's 16 MiB segment; raise "
+                f"--sessions, --turns, --scale or --dtype float32 (a working set "
+                f"{need:.2f}x this one), or use fewer instances")
+        return seg
+
+
+def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
+                chunk_tokens: int, eviction: str, admission: str,
+                tiers_root: Path | None = None, service: str | None = None) -> dict:
+    """The inline policy of one instance (`node`) of configuration `cfg`; its index lives
+    under `root`, its nvme dir and the shared dir under `tiers_root` (default `root`).
+    `service`: the instances join the pool service there (one segment holding the whole
+    pool, shared memory), instead of each lending its share."""
+    ws = sizing.working_set_bytes
+    disk = tiers_root or root
+    dram = {"name": "dram", "kind": "mooncake",
+            "capacity": sizing.segment_bytes(cfg.dram_frac), "buffer": "32MiB",
+            "staging": "32MiB"}
+    if service:
+        dram |= {"capacity": dram["capacity"] * sizing.instances, "service": service,
+                 "service_embedded": False}
+    tiers = [dram]
+    if cfg.kind == "kvtier":
+        tiers += [{"name": "nvme", "kind": "nvme", "path": str(disk / node / "nvme"),
+                   "capacity": max(64 << 20, _round_up(2 * ws, 4 << 20)),
+                   "region_size": "4MiB"},
+                  {"name": "shared", "kind": "sharedfs", "path": str(disk / "shared"),
+                   "capacity": max(64 << 20, 2 * ws)}]
+    return {"namespace": {"model": MODEL_NAME}, "chunk_tokens": chunk_tokens,
+            "index": {"path": str(root / node / "index"), "map_size": "64MiB"},
+            "master": {"address": master, "embedded": False},
+            "eviction": {"kind": eviction}, "admission": {"kind": admission},
+            "tiers": tiers}
+
+
+def frame_bytes(payload: int) -> int:
+    return HEADER_SIZE + payload
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit

@@ -1,0 +1,188 @@
+"""Tables and plots of an engine replay's report (`tools.replay.experiment`).
+
+`render(report, console)`: per instance count, the comparison of the configurations (hit
+rate overall and per tier, TTFT and end-to-end P50/P99, throughput, bytes read per tier and
+saved), the ratios against the local-only baseline, hit rate and TTFT per turn; then the
+scaling sweep and the targets. `plot(report, out_dir)`: PNGs of hit rate and TTFT per turn,
+hit rate against DRAM size, and (sweeps) hit rate and throughput against instances.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.tools.replay.metrics import ratios
+
+MiB = 1 << 20
+
+
+def _ms(s: float | None) -> str:
+    return "" if s is None else f"{s * 1e3:,.0f}"
+
+
+def render(report: dict, console: Console) -> None:
+    spec = report["spec"]
+    for run in report["runs"]:
+        o = next(iter(run["configs"].values()))["overall"]
+        console.print(
+            f"[bold]{spec['engine']} engines[/]: {run['instances']} instances, "
+            f"{spec['router']}, {run['plan']} ({run['requests']} requests, scale "
+            f"{run['scale']:g}); KV cache {run['kv_tokens']:,} tokens per instance, live "
+            f"contexts {o['kv_ratio']:.1f}x it; working set "
+            f"{run['working_set_bytes'] / MiB:,.0f} MiB")
+        console.print(_compare(run))
+        if "local" in run["configs"]:
+            for label, c in run["configs"].items():
+                if c["kind"] != "local":
+                    r = ratios(run["configs"], "local", label)
+                    console.print(f"  {label} vs local: TTFT P50 {r['ttft_p50_lower_x']:.1f}x "
+                                  f"lower, throughput {r['throughput_higher_x']:.2f}x higher, "
+                                  f"end-to-end P50 {r['e2e_p50_lower_x']:.1f}x lower")
+        console.print(_per_turn(run))
+    if len(report["runs"]) > 1:
+        console.print(_sweep(report["runs"]))
+    console.print(_targets(report["targets"]))
+    model = next((c.get("model") for r in report["runs"] for c in r["configs"].values()
+                  if c.get("model")), None)
+    if model:
+        console.print(f"modeled times (virtual seconds): {model}")
+    console.print(f"{report['date']}, {report['machine']}, {report['wall_s']:.0f} s")
+
+
+def _compare(run: dict) -> Table:
+    names = sorted({t for c in run["configs"].values() for t in c["tiers"]},
+                   key=["dram", "nvme", "shared"].index)
+    t = Table(title="configurations: hit rates (% of input tokens), times (ms), throughput, "
+              "MiB read from each tier / saved")
+    cols = ["config", "DRAM pool", "hit %", "local %", *[f"{n} %" for n in names],
+            "TTFT P50", "P99", "E2E P50", "P99", "tok/s", f"read {'/'.join(names)}", "saved"]
+    for col in cols:
+        t.add_column(col, justify="right", no_wrap=col == "config")
+    for label, c in run["configs"].items():
+        o = c["overall"]
+        dram = "" if c["dram_frac"] is None else \
+            f"{100 * c['dram_frac']:g}%={c['segment_bytes'] * run['instances'] / MiB:,.0f}M"
+        read = "/".join(f"{o['bytes_read'][n] / MiB:,.0f}" if n in c["tiers"] else "-"
+                        for n in names)
+        t.add_row(label, dram, f"{o['hit_rate']:.1f}", f"{o['hit_by_tier']['local']:.1f}",
+                  *[f"{o['hit_by_tier'].get(n, 0):.1f}" if n in c["tiers"] else ""
+                    for n in names],
+                  _ms(o["ttft_p50_s"]), _ms(o["ttft_p99_s"]), _ms(o["e2e_p50_s"]),
+                  _ms(o["e2e_p99_s"]), f"{o['throughput_tps']:,.0f}", read if names else "",
+                  f"{o['bytes_saved'] / MiB:,.0f}" if c["tiers"] else "")
+    return t
+
+
+def _per_turn(run: dict) -> Table:
+    t = Table(title="per turn: hit % / TTFT P50 ms")
+    t.add_column("turn", justify="right")
+    labels = list(run["configs"])
+    for label in labels:
+        t.add_column(label, justify="right")
+    turns = max(len(c["per_turn"]) for c in run["configs"].values())
+    for j in range(turns):
+        cells = []
+        for label in labels:
+            rows = run["configs"][label]["per_turn"]
+            cells.append(f"{rows[j]['hit_rate']:.1f} / {_ms(rows[j]['ttft_p50_s'])}"
+                         if j < len(rows) else "")
+        t.add_row(str(j + 1), *cells)
+    return t
+
+
+def _sweep(runs: list[dict]) -> Table:
+    labels = list(runs[0]["configs"])
+    t = Table(title="instances sweep (sessions scaled alongside): hit % / tok/s")
+    for col in ("instances", "sessions", *labels):
+        t.add_column(col, justify="right")
+    for run in runs:
+        t.add_row(str(run["instances"]), str(run["sessions"]),
+                  *[f"{run['configs'][lab]['overall']['hit_rate']:.1f} / "
+                    f"{run['configs'][lab]['overall']['throughput_tps']:,.0f}"
+                    for lab in labels])
+    return t
+
+
+def _targets(targets: list[dict]) -> Table:
+    t = Table(title="targets of the main job, each against configurations of the same run")
+    for col in ("instances", "what", "value", "target", "met", "note"):
+        t.add_column(col, justify="right" if col in ("instances", "value") else "left")
+    for x in targets:
+        t.add_row(str(x["instances"]), x["what"], f"{x['value']:g}", x["target"],
+                  "[green]yes[/]" if x["ok"] else "[red]no[/]", x["note"])
+    return t
+
+
+def plot(report: dict, out_dir: Path) -> list[Path]:
+    """Write the PNGs; returns their paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run = report["runs"][-1]
+    paths = [_per_turn_plot(plt, run, out_dir), _dram_plot(plt, run, out_dir)]
+    if len(report["runs"]) > 1:
+        paths.append(_sweep_plot(plt, report["runs"], out_dir))
+    return [p for p in paths if p is not None]
+
+
+def _per_turn_plot(plt, run: dict, out_dir: Path) -> Path:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for label, c in run["configs"].items():
+        turns = [r["turn"] for r in c["per_turn"]]
+        a.plot(turns, [r["hit_rate"] for r in c["per_turn"]], marker="o", ms=3, label=label)
+        b.plot(turns, [r["ttft_p50_s"] * 1e3 for r in c["per_turn"]], marker="o", ms=3,
+               label=label)
+    a.set(xlabel="turn", ylabel="token hit rate %", ylim=(0, 100), title="hit rate per turn")
+    b.set(xlabel="turn", ylabel="TTFT P50 (ms)", yscale="log", title="TTFT per turn")
+    a.legend(fontsize=8)
+    b.legend(fontsize=8)
+    fig.suptitle(f"{run['instances']} instances, {run['plan']}")
+    fig.tight_layout()
+    path = out_dir / f"per_turn_n{run['instances']}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _dram_plot(plt, run: dict, out_dir: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for kind in ("kvtier", "dram-only"):
+        pts = sorted((c["dram_frac"] * 100, c["overall"]["hit_rate"])
+                     for c in run["configs"].values() if c["kind"] == kind)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=kind)
+    local = next((c for c in run["configs"].values() if c["kind"] == "local"), None)
+    if local:
+        ax.axhline(local["overall"]["hit_rate"], ls="--", c="gray", label="local only")
+    ax.set(xlabel="DRAM pool, % of the working set", ylabel="token hit rate %",
+           ylim=(0, 100), title="hit rate against DRAM size")
+    ax.legend()
+    fig.tight_layout()
+    path = out_dir / f"hit_vs_dram_n{run['instances']}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _sweep_plot(plt, runs: list[dict], out_dir: Path) -> Path:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ns = [r["instances"] for r in runs]
+    for label in runs[0]["configs"]:
+        o = [r["configs"][label]["overall"] for r in runs]
+        a.plot(ns, [x["hit_rate"] for x in o], marker="o", label=label)
+        b.plot(ns, [x["throughput_tps"] for x in o], marker="o", label=label)
+    first = runs[0]["configs"][next(iter(runs[0]["configs"]))]["overall"]["throughput_tps"]
+    b.plot(ns, [first * n / ns[0] for n in ns], ls="--", c="gray", label="linear")
+    a.set(xlabel="instances", ylabel="token hit rate %", ylim=(0, 100), xscale="log")
+    b.set(xlabel="instances", ylabel="throughput (tokens/s)", xscale="log", yscale="log")
+    a.legend(fontsize=8)
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "scaling.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,3 @@
+"""kvtier.tools.replay.soak: `kvtier replay --soak`, the replay under injected faults (master
+kills, crashes, corrupt files), checked for wrong blocks and failed requests.
+"""

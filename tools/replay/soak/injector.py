@@ -1,0 +1,148 @@
+"""The fault injector of `kvtier replay --soak`: the next fault of a rotation every
+`every_s` seconds of wall time, each undone after a while.
+
+Faults (`FAULTS`, in this order):
+- `process-kill`: the next `save` of one instance (in turn) is SIGKILLed in its middle, the
+  instance restarted on the same node (`tools.replay.soak.nodes`);
+- `master-restart`: `mooncake_master` SIGKILLed, started again on the same address after
+  `down_s`; the seconds from its return to the first block served from the pool again
+  are its recovery time (`on_pool_hit`);
+- `disk-full`: a balloon file fills the tmpfs under the nvme and shared dirs to ENOSPC,
+  removed after `hold_s` (skipped, and counted so, when the soak has no tmpfs);
+- `corrupt-file`: bits flipped in, or truncation of, a random sharedfs block file, and bits
+  flipped in a random stored frame of one instance's nvme data file.
+Everything runs on the soak's own thread between two store calls (`tick`), so a master it
+starts lives as long as the soak (a master dies with the thread that started it). The
+corrupted keys are kept (`corrupted`) so that the end of the soak can read them back.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+from kvtier.store.base.errors import MasterError
+from kvtier.tools.replay.soak.faults import Balloon, corrupt_block_file, corrupt_frame
+
+FAULTS = ("process-kill", "master-restart", "disk-full", "corrupt-file")
+MASTER_DOWN_S = 3.0
+DISK_FULL_HOLD_S = 10.0
+MASTER_START_TRIES = 5
+
+
+class Injector:
+    def __init__(self, every_s: float, master, nodes: list, disk, shared_root: Path,
+                 rng: random.Random, say, faults: tuple[str, ...] = FAULTS):
+        self.every_s, self.master, self.nodes, self.disk = every_s, master, nodes, disk
+        self.shared_root, self.rng, self.say, self.faults = shared_root, rng, say, faults
+        self.down_s = min(MASTER_DOWN_S, every_s / 3)
+        self.hold_s = min(DISK_FULL_HOLD_S, every_s / 2)
+        self.balloon = Balloon(disk.where)
+        self.next_at, self.k = every_s, 0
+        self.pending: list[tuple[float, object]] = []   # (due, undo(now))
+        self.counts = {f: {"injected": 0, "skipped": 0} for f in faults}
+        self.log: list[dict] = []                       # every fault, when and what
+        self.corrupted: dict[str, set[str]] = {"shared": set()}
+        self.up_at: float | None = None                 # the master's last return
+        self.recovery_s: list[float] = []
+        self.unrecovered_s: list[float] = []            # waited this long, then no more soak
+
+    # ---- the clock -----------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Undo what is due, then inject the next fault if its time has come."""
+        for item in [p for p in self.pending if p[0] <= now]:
+            self.pending.remove(item)
+            item[1](now)
+        if now >= self.next_at:
+            kind = self.faults[self.k % len(self.faults)]
+            self.next_at += self.every_s
+            self.k += 1
+            getattr(self, "_" + kind.replace("-", "_"))(now)
+
+    def interval(self, now: float) -> int:
+        return int(now // self.every_s)
+
+    def finish(self, now: float) -> None:
+        """Undo everything still pending (the master back, the balloon gone)."""
+        for _, undo in sorted(self.pending, key=lambda p: p[0]):
+            undo(now)
+        self.pending.clear()
+        if self.up_at is not None:
+            self.unrecovered_s.append(round(now - self.up_at, 2))
+            self.up_at = None
+
+    def _record(self, now: float, kind: str, detail: str, skipped: bool = False) -> None:
+        self.counts[kind]["skipped" if skipped else "injected"] += 1
+        self.log.append({"t_s": round(now, 1), "interval": self.interval(now), "kind": kind,
+                         "skipped": skipped, "detail": detail})
+        self.say(f"[{now:6.1f} s] {kind}{' skipped' if skipped else ''}: {detail}")
+
+    # ---- the faults ----------------------------------------------------------------------
+
+    def _process_kill(self, now: float) -> None:
+        node = self.nodes[self.counts["process-kill"]["injected"] % len(self.nodes)]
+        node.arm_kill()
+        self._record(now, "process-kill", f"instance {node.node}: its next save is killed "
+                     "mid-call, then restarted")
+
+    def _master_restart(self, now: float) -> None:
+        if self.up_at is not None:  # the last restart never served a pool hit
+            self.unrecovered_s.append(round(now - self.up_at, 2))
+            self.up_at = None
+        self.master.kill()
+        self.master.stop()  # closes its log
+        self.pending.append((now + self.down_s, self._master_up))
+        self._record(now, "master-restart", f"mooncake_master SIGKILLed; back on "
+                     f"{self.master.address} in {self.down_s:.1f} s")
+
+    def _master_up(self, now: float) -> None:
+        t = time.monotonic()
+        for attempt in range(MASTER_START_TRIES):  # its port may take a moment to free
+            try:
+                self.master.start()
+                break
+            except MasterError as e:
+                if attempt + 1 == MASTER_START_TRIES:
+                    raise
+                self.say(f"master restart failed ({e}); trying again")
+                time.sleep(1.0)
+        now += time.monotonic() - t  # recovery counts from the master answering
+        self.up_at = now
+        self.say(f"[{now:6.1f} s] master back on {self.master.address}")
+
+    def on_pool_hit(self, now: float) -> None:
+        """A request loaded blocks from the pool: it serves again since the last restart."""
+        if self.up_at is not None:
+            self.recovery_s.append(round(now - self.up_at, 2))
+            self.say(f"[{now:6.1f} s] pool hits again {now - self.up_at:.1f} s after the "
+                     "master came back")
+            self.up_at = None
+
+    def _disk_full(self, now: float) -> None:
+        if self.disk.skipped:
+            self._record(now, "disk-full", self.disk.skipped, skipped=True)
+            return
+        took = self.balloon.fill()
+        self.pending.append((now + self.hold_s, self._disk_free))
+        self._record(now, "disk-full", f"a balloon of {took / 2**20:.0f} MiB fills the "
+                     f"tmpfs to ENOSPC for {self.hold_s:.0f} s")
+
+    def _disk_free(self, now: float) -> None:
+        self.balloon.pop()
+        self.say(f"[{now:6.1f} s] balloon removed")
+
+    def _corrupt_file(self, now: float) -> None:
+        key, what = corrupt_block_file(self.shared_root, self.rng)
+        if key is not None:
+            self.corrupted["shared"].add(key)
+        done = [f"shared: {what}"]
+        node = self.rng.choice(self.nodes)
+        frames = node.probe("frames", "nvme", 1, self.rng.randrange(1 << 30)) or []
+        for key, path, offset, size in frames:
+            done.append(f"{node.node} nvme: {corrupt_frame(path, offset, size, self.rng)}")
+            self.corrupted.setdefault(node.node, set()).add(key)
+        if not frames:
+            done.append(f"{node.node} nvme: no stored frame to corrupt")
+        self._record(now, "corrupt-file", "; ".join(done))

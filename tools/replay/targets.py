@@ -1,0 +1,93 @@
+"""The main job's targets, evaluated on an engine replay's report (`tools.replay.experiment`).
+
+Each check compares configurations of the same run, never against fixed timings:
+- main: kvtier (its largest DRAM pool) against `local` (vLLM's prefix cache only): token
+  hit rate >= 95%, TTFT P50 >= 5x lower, throughput >= 2x higher;
+- small pool: kvtier with the DRAM pool cut to a smaller fraction is within 2 points of the
+  largest pool's hit rate; the DRAM-only pool of the same size is reported beside it;
+- scaling (an instance sweep): kvtier's hit rate stays within 2 points across instance
+  counts, and throughput within 20% of linear (throughput(n) / (throughput(n0) * n / n0)).
+A check whose configurations did not run is left out.
+"""
+
+from __future__ import annotations
+
+
+def evaluate(report: dict) -> list[dict]:
+    out: list[dict] = []
+    for run in report["runs"]:
+        out += _main(run) + _small_pool(run)
+    if len(report["runs"]) > 1:
+        out += _scaling(report["runs"])
+    return out
+
+
+def _kvtier_labels(run: dict) -> list[tuple[float, str]]:
+    return sorted(((c["dram_frac"], label) for label, c in run["configs"].items()
+                   if c["kind"] == "kvtier"), reverse=True)
+
+
+def _check(what: str, value: float, ok: bool, target: str, n: int, note: str = "") -> dict:
+    return {"instances": n, "what": what, "value": round(value, 2), "target": target,
+            "ok": bool(ok), "note": note}
+
+
+def _main(run: dict) -> list[dict]:
+    cfgs, n = run["configs"], run["instances"]
+    kv = _kvtier_labels(run)
+    if not kv:
+        return []
+    best = cfgs[kv[0][1]]["overall"]
+    out = [_check("kvtier token hit rate %", best["hit_rate"], best["hit_rate"] >= 95.0,
+                  ">= 95", n)]
+    if "local" in cfgs:
+        base = cfgs["local"]["overall"]
+        note = f"baseline (local prefix cache only) hit rate {base['hit_rate']:.1f}%"
+        ttft = base["ttft_p50_s"] / max(best["ttft_p50_s"], 1e-9)
+        thr = best["throughput_tps"] / max(base["throughput_tps"], 1e-9)
+        out += [_check("TTFT P50 lower than baseline, x", ttft, ttft >= 5.0, ">= 5", n, note),
+                _check("throughput higher than baseline, x", thr, thr >= 2.0, ">= 2", n,
+                       note)]
+    return out
+
+
+def _small_pool(run: dict) -> list[dict]:
+    cfgs, n = run["configs"], run["instances"]
+    kv = _kvtier_labels(run)
+    out = []
+    if len(kv) < 2:
+        return out
+    top_frac, top = kv[0]
+    top_hit = cfgs[top]["overall"]["hit_rate"]
+    for frac, label in kv[1:]:
+        hit = cfgs[label]["overall"]["hit_rate"]
+        dram_only = next((c["overall"]["hit_rate"] for c in cfgs.values()
+                          if c["kind"] == "dram-only" and c["dram_frac"] == frac), None)
+        note = (f"unconstrained ({100 * top_frac:g}%) {top_hit:.1f}%"
+                + ("" if dram_only is None else
+                   f"; DRAM-only pool of {100 * frac:g}%: {dram_only:.1f}%"))
+        out.append(_check(f"kvtier hit rate % with DRAM at {100 * frac:g}% of the working set",
+                          hit, hit >= top_hit - 2.0, f">= {top_hit - 2.0:.1f}", n, note))
+    return out
+
+
+def _scaling(runs: list[dict]) -> list[dict]:
+    pts = []
+    for run in runs:
+        kv = _kvtier_labels(run)
+        if kv:
+            o = run["configs"][kv[0][1]]["overall"]
+            pts.append((run["instances"], o["hit_rate"], o["throughput_tps"]))
+    if len(pts) < 2:
+        return []
+    n0, _, thr0 = pts[0]
+    hits = [h for _, h, _ in pts]
+    spread = max(hits) - min(hits)
+    out = [_check("kvtier hit rate spread across instance counts, points", spread,
+                  spread <= 2.0, "<= 2", pts[-1][0],
+                  ", ".join(f"{n}: {h:.1f}%" for n, h, _ in pts))]
+    for n, _, thr in pts[1:]:
+        eff = thr / (thr0 * n / n0)
+        out.append(_check(f"throughput at {n} instances / linear from {n0}", eff,
+                          eff >= 0.8, ">= 0.8", n))
+    return out

@@ -1,0 +1,172 @@
+"""Real engines for `kvtier replay --engine vllm`: N vLLM processes on one kvtier cluster.
+
+`VllmCluster(root, cfg, ...)` starts, for one configuration (`tools.replay.cluster`), a
+fresh `mooncake_master` and (with `pool="service"`, the default) the node's pool service
+holding the whole pool, which the engines join through shared memory (unless the
+configuration has no store); `start()` N engine processes
+(`tools.vllm_engine.Engine`: the tiny random model, one process each, started in parallel),
+each with the same KV cache size (`num_blocks`) and, for store configurations, the kvtier
+connector with its node's policy (own index and nvme dir, one shared dir). It warms each
+engine up with one short prompt nobody else sends, and gives one backend per instance for
+`tools.replay.live`, which submits each request on its own (the engines batch continuously;
+baseline and kvtier configurations take the same path). `close()` stops the engines (the
+connector finishes queued saves) and then the master; `held()` reads, afterwards, what each
+node's index holds per tier.
+
+Requests carry their session as a kvtier hint (`kv_transfer_params`), as an agent framework
+that knows its session ids would send it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvtier.store.base.config import MasterConfig
+from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
+from kvtier.tools.replay.cluster import Config, ReplayError, Sizing, node_policy
+from kvtier.tools.replay.plan import VOCAB, Plan
+from kvtier.tools.threads import in_threads
+from kvtier.tools.vllm_engine import Completion, Engine, EngineError, kvtier_transfer_config
+
+WARMUP_SEED = 987_654_321
+
+
+class VllmBackend:
+    """One engine as a replay backend (see `tools.replay.live`): each request submitted on
+    its own, with its own output length, as a client of `vllm serve` would send it."""
+
+    def __init__(self, engine: Engine, plan: Plan, hints: bool):
+        self.engine, self.plan, self.hints = engine, plan, hints
+
+    def submit(self, i: int, done) -> None:
+        params = ({"kvtier": {"session_id": f"s{int(self.plan.session[i])}"}}
+                  if self.hints and self.plan.session[i] >= 0 else None)
+        fut = self.engine.submit(self.plan.prompt(i), int(self.plan.output_tokens[i]), params)
+        fut.add_done_callback(lambda f: done(f.exception() or _result(f.result())))
+
+
+def _result(c: Completion) -> dict:
+    kv = (c.kv_transfer_params or {}).get("kvtier", {})
+    return {"cached": c.num_cached_tokens, "tiers": kv.get("hit_tokens", {}),
+            "saved_chunks": kv.get("saved_chunks", 0), "ttft_s": c.ttft_s, "e2e_s": c.e2e_s,
+            "output_tokens": len(c.token_ids), "added_s": c.added_s, "queued_s": c.queued_s,
+            "prefill_s": c.prefill_s, "preemptions": c.preemptions}
+
+
+class VllmCluster:
+    def __init__(self, root: Path, cfg: Config, n: int, model: Path, sizing: Sizing, *,
+                 chunk_tokens: int, block_size: int, num_blocks: int, max_model_len: int,
+                 dtype: str, eviction: str, admission: str, engines_alongside: int = 1,
+                 pool: str = "service", inproc: bool = True, say=print):
+        self.root, self.cfg, self.n = root, cfg, n
+        self.master: EmbeddedMaster | None = None
+        self.service = None
+        self.engines: list[Engine | None] = [None] * n
+        self.policies: list[dict | None] = [None] * n
+        root.mkdir(parents=True, exist_ok=True)
+        if cfg.uses_store:
+            mcfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
+            self.master = EmbeddedMaster(mcfg, log_path=root / "master.log").start()
+            service = self._start_service(pool, root, mcfg, cfg, sizing, chunk_tokens,
+                                          eviction, admission)
+            self.policies = [node_policy(root, f"n{k}", mcfg.address, cfg, sizing,
+                                         chunk_tokens, eviction, admission, service=service)
+                             for k in range(n)]
+        # One OpenMP team per engine sized to its share of the cores: the in-process engine
+        # does not bind threads, so N engines of (cores) spinning threads each oversubscribe
+        # the machine (4 engines on 2 cores spent ~200 ms a decode step), where production
+        # gives each instance cores of its own.
+        threads = max(1, (os.cpu_count() or 1) // (n * engines_alongside))
+        self._kw = dict(block_size=block_size, num_blocks=num_blocks,
+                        max_model_len=max_model_len, dtype=dtype, inproc=inproc,
+                        env={"OMP_NUM_THREADS": str(threads)},
+                        engine_args={"disable_log_stats": False})
+        self.model, self.say = model, say
+
+    def _start_service(self, pool: str, root: Path, mcfg: MasterConfig, cfg: Config,
+                       sizing: Sizing, *policy_args) -> str | None:
+        """With `pool="service"`, start the node's pool service, holding the whole pool (the
+        N engines' shares), on this thread; return its address."""
+        if pool == "embedded":
+            return None
+        if pool != "service":
+            raise ReplayError(f"--pool must be service or embedded, not {pool!r}")
+        from kvtier.store.base.config import policy_from_dict
+        from kvtier.tiers.mooncake.service import PoolService
+        address = f"127.0.0.1:{free_port()}"
+        probe = node_policy(root, "service", mcfg.address, cfg, sizing, *policy_args,
+                            service=address)
+        dram = policy_from_dict(probe).tiers[0]
+        self.service = PoolService(dram, mcfg, log_path=root / "pool-service.log").start()
+        return address
+
+    def start(self) -> "VllmCluster":
+        """Start the engines (in parallel); any thread may call it, the master already runs
+        (it was started on the constructing thread: it dies with the thread that started
+        it)."""
+        self.say(f"[{self.cfg.label}] starting {self.n} engines")
+        try:
+            self._start_all(self.model)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start_all(self, model: Path) -> None:
+        def start(k: int) -> None:
+            ktc = (kvtier_transfer_config(self.policies[k], node_id=f"n{k}",
+                                          staging_buffer="16MiB")
+                   if self.policies[k] else None)
+            e = Engine(model, self.root / f"engine-n{k}.log", kv_transfer_config=ktc,
+                       **self._kw)
+            self.engines[k] = e
+            e.submit(_warmup_prompt(k), 1).result(600)  # the path the replay takes
+
+        try:
+            in_threads([lambda k=k: start(k) for k in range(self.n)])
+        except Exception as e:
+            raise ReplayError(f"{self.cfg.label}: an engine failed to start ({e}); "
+                              f"see the engine logs under {self.root}") from e
+
+    def backends(self, plan: Plan) -> list[VllmBackend]:
+        return [VllmBackend(e, plan, hints=self.cfg.uses_store) for e in self.engines]
+
+    def held(self) -> dict[str, dict[str, int]]:
+        """Blocks and bytes each tier holds at the end, summed over the nodes' indexes."""
+        from kvtier.store.base.index import Index
+        from kvtier.store.check.summary import summarize
+        out: dict[str, dict[str, int]] = {}
+        for p in self.policies:
+            if p is None:
+                continue
+            ix = Index(Path(p["index"]["path"]), readonly=True, recover=False)
+            try:
+                for name, t in summarize(ix)["tiers"].items():
+                    agg = out.setdefault(name, {"blocks": 0, "bytes": 0})
+                    agg["blocks"] += t["blocks"]
+                    agg["bytes"] += t["bytes"]
+            finally:
+                ix.close()
+        return out
+
+    def close(self) -> None:
+        for e in self.engines:
+            if e is not None:
+                try:
+                    e.close()
+                except (EngineError, OSError):
+                    pass  # the engine log has the story; keep closing the others
+        self.engines = [None] * self.n
+        if self.service is not None:
+            self.service.stop()
+            self.service = None
+        if self.master is not None:
+            self.master.stop()
+            self.master = None
+
+
+def _warmup_prompt(k: int) -> list[int]:
+    import random
+    rng = random.Random(WARMUP_SEED + k)
+    return [rng.randrange(1, VOCAB) for _ in range(96)]

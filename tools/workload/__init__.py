@@ -1,0 +1,3 @@
+"""kvtier.tools.workload: the workloads the replays serve: recorded traces and the synthetic
+agentic workload.
+"""
