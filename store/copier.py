@@ -140,7 +140,7 @@ class Copier:
         except TierUnavailableError:
             raise
         except TierError as e:
-            stored = set(e.stored)
+            stored = set(e.stored) if isinstance(e, TierFullError) else set()
             return [k in stored for k in keys], e
 
     def _pop_full(self) -> dict[Tier, int]:
