@@ -17,6 +17,11 @@ Fields (all optional; unknown ones are errors):
 - `tool_call_token_ids`: `auto` (default: the known tool-call tokens the model's tokenizer
   holds, see tool_calls.py), or a list of token ids; a turn whose output holds one waits
   for a tool. An empty list: every turn is one gap class.
+- `load_deadline` (default true): load only the part of a hit that beats recomputing it,
+  and give up on what has not arrived by the time waiting would cost more than it saves
+  (`connector/recompute.py`); false loads every hit whatever it takes.
+- `prefill_tokens_per_s` (default 2000): the engine's prefill rate until it has timed its
+  own steps (a few seconds of serving); a guess on the slow side only lengthens deadlines.
 
 Every mistake raises `ConfigError` with one line naming the field and the fix. Nothing is
 read from environment variables.
@@ -57,6 +62,8 @@ class _ExtraConfig(BaseModel):
     staging_buffers: int = Field(default=4, ge=1, le=256)
     load: Literal["auto", "async", "sync"] = "async"
     tool_call_token_ids: Annotated[Any, BeforeValidator(_token_ids)] = "auto"
+    load_deadline: bool = True
+    prefill_tokens_per_s: float = Field(default=2000.0, gt=0)
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,10 @@ class ConnectorConfig:
     load: str = "async"
     # an output holding one ended on a tool call; "auto": the tokenizer's (tool_calls.py)
     tool_call_token_ids: tuple[int, ...] | Literal["auto"] = "auto"
+    # plan each hit (load what beats recomputing it) and give its load a deadline
+    load_deadline: bool = True
+    # the engine's prefill rate until it has timed its own steps (a slow guess is safe)
+    prefill_tokens_per_s: float = 2000.0
 
 
 def parse_extra_config(extra: Any) -> ConnectorConfig:
@@ -88,7 +99,8 @@ def parse_extra_config(extra: Any) -> ConnectorConfig:
     else:
         policy = load_policy(_policy_file(cfg.kvtier_config))
     return ConnectorConfig(policy, cfg.node_id, cfg.staging_buffer_bytes, cfg.staging_buffers,
-                           cfg.load, cfg.tool_call_token_ids)
+                           cfg.load, cfg.tool_call_token_ids, cfg.load_deadline,
+                           cfg.prefill_tokens_per_s)
 
 
 def _policy_file(path: Path | None) -> Path | None:

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.config import parse_extra_config
-from kvtier.connector.metadata import KVTierMetadata
+from kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta
 from kvtier.connector.stats import KVTierPromMetrics, KVTierStats
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,11 @@ class KVTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVTierMetadata):
+            self._worker.begin_step(connector_metadata)  # before the step's forward
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         idle = getattr(forward_context, "attn_metadata", None) is None  # a step without forward
         self.worker.start_load_kv(self._meta(), idle)
@@ -98,6 +103,9 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
+        return self.worker.build_worker_meta()
 
     def _meta(self) -> KVTierMetadata:
         meta = self._get_connector_metadata()
@@ -120,6 +128,9 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler.update_connector_output(connector_output)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()

@@ -40,6 +40,8 @@ if TYPE_CHECKING:  # kept out at run time: this module runs where only torch is 
     from kvtier.store.tiered import SessionHint, TieredStore
 
 log = logging.getLogger(__name__)
+PART_BYTES = 8 << 20  # a load batch is read in runs of about this size, at most LOADS at once
+LOADS = 4  # (each run is one batched call of the tiers; what arrived by the deadline counts)
 
 
 @dataclass
@@ -51,6 +53,7 @@ class LoadBatch:
     last: bool             # the request's final batch
     tiers: list[str] | None = None  # where the lookup found each chunk (asked first)
     sync: bool = False     # run by `load_now`: its request is not reported as received
+    deadline: float | None = None   # `time.monotonic()` past which what has not arrived fails
 
 
 @dataclass
@@ -99,6 +102,8 @@ class IOThread:
         self._failed_reqs: set[str] = set()
         self._done_loads: list[str] = []
         self._failed_blocks: set[int] = set()
+        self._loaded: dict[str, int] = {}        # chunks of a request's job loaded so far
+        self._settled: list[tuple[str, int]] = []  # (request, chunks its job loaded)
         self._busy = 0
         self._thread = threading.Thread(target=self._run, name="kvtier-io", daemon=True)
         self._thread.start()
@@ -121,12 +126,13 @@ class IOThread:
         for batch in batches:
             self._do(batch)
 
-    def take_results(self) -> tuple[list[str], set[int]]:
-        """(requests whose loads all finished, blocks that failed) since the last call."""
+    def take_results(self) -> tuple[list[str], set[int], list[tuple[str, int]]]:
+        """(requests whose loads all finished, blocks that failed, and (request, chunks
+        loaded) for each load job that ended) since the last call."""
         with self._cv:
-            done, failed = self._done_loads, self._failed_blocks
-            self._done_loads, self._failed_blocks = [], set()
-            return done, failed
+            done, failed, settled = self._done_loads, self._failed_blocks, self._settled
+            self._done_loads, self._failed_blocks, self._settled = [], set(), []
+            return done, failed, settled
 
     def wait_for_load(self, timeout_s: float) -> None:
         """Block until a request's loads finish or `timeout_s` passes (if any are queued).
@@ -211,31 +217,52 @@ class IOThread:
         in_place = n - got.count(None)
         t1 = time.perf_counter()
         rest = [i for i in range(n) if got[i] is None]
-        ok = n
+        ok, late = n, 0
         if rest:
-            buf = self.load_pool.acquire()
-            try:
-                part = self.store.load([job.keys[i] for i in rest],
-                                       [buf.frame(j) for j in range(len(rest))],
-                                       None if job.tiers is None else
-                                       [job.tiers[i] for i in rest])
-                for i, g in zip(rest, part):
-                    got[i] = g
-                ok = next((i for i, g in enumerate(got) if g != self.payload_len), n)
-                rows = [i for i in rest if i < ok]  # a prefix of `rest`, all read
-                if rows:
-                    self._scatter(buf, job, rows)
-            finally:
-                self.load_pool.release(buf)
+            ok, late = self._load_rest(job, got, rest)
         log.debug("kvtier: load %s: %d/%d chunks (%d in place, %.1f ms), the rest %.1f ms",
                   job.req_id, ok, n, in_place, (t1 - t0) * 1e3,
                   (time.perf_counter() - t1) * 1e3)
         with self.stats_lock:
             self.stats.add("load_chunks", ok)
+            if late:
+                self.stats.add("load_late_chunks", late)
             self.stats.add("load_in_place_chunks", ok - sum(i < ok for i in rest))
             self.stats.add("load_bytes", ok * self.payload_len)
             self.stats.observe_ms("load", (time.perf_counter() - t0) * 1e3)
         self._finish_load(job, ok_rows=ok)
+
+    def _load_rest(self, job: LoadBatch, got: list[int | None], rest: list[int]
+                   ) -> tuple[int, int]:
+        """Read chunks `rest` through staging, by the job's deadline, and scatter the prefix
+        that arrived; (chunks of the batch loaded, chunks that missed the deadline)."""
+        n = len(job.keys)
+        wait = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
+        buf = self.load_pool.acquire(wait)
+        if buf is None:  # every staging buffer is held by transfers past their deadline
+            return next((i for i in range(n) if got[i] is None), n), len(rest)
+        pending: tuple = ()
+        late = 0
+        try:
+            keys = [job.keys[i] for i in rest]
+            outs = [buf.frame(j) for j in range(len(rest))]
+            where = None if job.tiers is None else [job.tiers[i] for i in rest]
+            if job.deadline is None:
+                part = self.store.load(keys, outs, where)
+            else:
+                parts = -(-len(rest) * buf.stride // PART_BYTES)
+                outcome = self.store.load_within(keys, outs, where, job.deadline,
+                                                 min(LOADS, parts))
+                part, pending, late = outcome.lengths, outcome.pending, outcome.late
+            for i, g in zip(rest, part):
+                got[i] = g
+            ok = next((i for i, g in enumerate(got) if g != self.payload_len), n)
+            rows = [i for i in rest if i < ok]  # a prefix of `rest`, all read
+            if rows:
+                self._scatter(buf, job, rows)
+        finally:
+            self.load_pool.release_after(buf, pending)
+        return ok, late
 
     def _load_in_place(self, job: LoadBatch) -> list[int]:
         """Scatter the chunks the store lets us read where they lie (another engine's pool
@@ -313,10 +340,13 @@ class IOThread:
         for row, ids in enumerate(job.block_ids[ok_rows:], start=ok_rows):
             failed.update(ids[job.skip_first:] if row == 0 else ids)
         with self._cv:
+            # After a failed batch every later one reports 0: the sum is the loaded prefix.
+            self._loaded[job.req_id] = self._loaded.get(job.req_id, 0) + ok_rows
             if failed:
                 self._failed_reqs.add(job.req_id)
                 self._failed_blocks |= failed
             if job.last:
+                self._settled.append((job.req_id, self._loaded.pop(job.req_id, 0)))
                 self._failed_reqs.discard(job.req_id)
                 if not job.sync:
                     self._done_loads.append(job.req_id)

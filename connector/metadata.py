@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
+                                                              KVConnectorWorkerMetadata)
 
 from kvtier.store.tiered import SessionHint
 
@@ -37,6 +38,7 @@ class LoadJob:
     skip_first: int = 0
     tiers: list[str] = field(default_factory=list)
     sync: bool = False
+    deadline_s: float | None = None  # from when the worker takes it; None: no deadline
 
 
 @dataclass
@@ -66,7 +68,28 @@ class KVTierMetadata(KVConnectorMetadata):
     saves: list[SaveJob] = field(default_factory=list)
     hold: list[str] = field(default_factory=list)
     events: list[StoreEvent] = field(default_factory=list)
+    # what this step's forward computes, (tokens, attention work) of `RecomputeModel`: the
+    # workers time the forward and send it back, so the scheduler learns the engine's cost
+    work: tuple[float, float] = (0.0, 0.0)
 
     @property
     def empty(self) -> bool:
         return not (self.loads or self.saves or self.hold or self.events)
+
+
+@dataclass
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler after a step: for each load job that ended,
+    (request, rank, chunks loaded), the prefix that landed there, so a hit counts only what
+    was loaded (every rank loads its own share of every chunk, each in its own time: the
+    scheduler counts a chunk once every rank has reported, as loaded only where all did);
+    and the forwards they timed, for the scheduler's `RecomputeModel`."""
+
+    settled: list[tuple[str, int, int]] = field(default_factory=list)
+    # (tokens, attention work, seconds) of forwards this worker timed
+    steps: list[tuple[float, float, float]] = field(default_factory=list)
+
+    def aggregate(self, other: "KVTierWorkerMeta") -> "KVTierWorkerMeta":
+        self.settled = self.settled + other.settled
+        self.steps = self.steps + other.steps
+        return self

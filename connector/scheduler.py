@@ -8,10 +8,17 @@
   load is asynchronous, or synchronous (done before the forward of the step that schedules
   the request) by the connector's `load` setting; `auto` loads synchronously when no other
   request of the engine is running (nothing for the load to overlap with).
+- The hit is planned before it is promised (`connector.recompute`): only the prefix whose
+  load beats recomputing it is loaded (from the tiers' measured read rates and the engine's
+  own prefill cost, learned from its steps), with a deadline past which what has not
+  arrived is recomputed; a request whose load failed is not promised a hit again.
 - `update_state_after_alloc`: turns the hit into a `LoadJob` over the allocated blocks.
 - `build_connector_meta`: tracks every scheduled request's block ids, and emits a `SaveJob`
   for each chunk whose KV is complete after this step and not known to be in kvtier
   (chunks loaded from kvtier or covered by a local hit are not saved again).
+- `update_connector_output`: the workers say how much of each load job landed; only that
+  counts as hit tokens (`hit_tokens:<tier>`, the response's `hit_tokens`), the rest as
+  `recomputed_tokens`.
 - `request_finished`: saves the last complete chunks if any are left (their token ids only
   became known now), keeping the request's blocks (returns True) until the worker has
   gathered them and reports `finished_sending`; tells the store the turn ended
@@ -29,7 +36,6 @@ kvtier instead of being recomputed.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -42,8 +48,10 @@ from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob, StoreEvent
 from kvtier.connector.naming import (kv_shape, make_namespace, request_salt, session_hint,
                                      token_keys)
+from kvtier.connector.recompute import RecomputeModel, plan_load
 from kvtier.connector.stats import KVTierStats
 from kvtier.connector.tool_calls import detect_tool_call_ids, gap_class
+from kvtier.store.base.block import HEADER_SIZE
 from kvtier.store.base.errors import KVTierError
 from kvtier.store.placement import PIN_S
 from kvtier.store.tiered import SessionHint
@@ -67,6 +75,7 @@ class _Plan:
     hits: int
     tiers: tuple[str, ...]
     sync: bool
+    deadline_s: float | None = None
 
 
 @dataclass
@@ -80,7 +89,12 @@ class _Req:
     loaded_upto: int | None = None
     plan: _Plan | None = None
     sources: dict[CacheHitSource, int] = field(default_factory=dict)
-    tier_tokens: dict[str, int] = field(default_factory=dict)
+    tier_tokens: dict[str, int] = field(default_factory=dict)   # loaded, by tier
+    promises: list[list[tuple[str, int]]] = field(default_factory=list)  # per job: (tier,
+    # tokens) per chunk, until the workers say how much of it landed
+    recomputed: int = 0          # tokens promised from kvtier, then recomputed
+    deadlines_ms: list[float] = field(default_factory=list)  # of its loads, as planned
+    load_failed: bool = False    # a load fell short: recompute, do not promise again
     looked_up: list[str] = field(default_factory=list)  # the keys of the last lookup
     saved_chunks: int = 0
     loads: dict[str, int] = field(default_factory=lambda: {"async": 0, "sync": 0})
@@ -96,6 +110,13 @@ class SchedulerSide:
         self.m = self.chunk // self.shape.block_size
         self.tier_kinds = {t.name: t.kind for t in cfg.policy.tiers}
         self.load_mode = cfg.load
+        par = vllm_config.parallel_config
+        self.world = par.tensor_parallel_size * par.pipeline_parallel_size
+        self.frame_bytes = HEADER_SIZE + self.m * self.shape.block_bytes
+        self.deadlines = cfg.load_deadline
+        self.recompute = RecomputeModel(
+            cfg.prefill_tokens_per_s, vllm_config.scheduler_config.max_num_batched_tokens)
+        self._settling: dict[str, dict[int, int]] = {}  # request -> rank -> chunks loaded
         self.tool_call_ids = detect_tool_call_ids(vllm_config.model_config) \
             if cfg.tool_call_token_ids == "auto" else frozenset(cfg.tool_call_token_ids)
         self._running = 0  # requests scheduled and not finished (for `load: auto`)
@@ -155,13 +176,31 @@ class SchedulerSide:
                   (time.perf_counter() - t0) * 1e3)
         self.stats.add("lookups")
         self.stats.add("lookup_tokens", max(0, limit * self.chunk - num_computed))
-        external = found.hit_blocks * self.chunk - num_computed
-        if found.hit_blocks <= first or external <= 0:
+        hits, deadline = self._plan(st, found, first)
+        external = hits * self.chunk - num_computed
+        if hits <= first or external <= 0:
             st.plan = None
             return 0, False
         sync = self._load_sync(st)
-        st.plan = _Plan(num_computed, first, found.hit_blocks - first, found.tiers[first:], sync)
+        st.plan = _Plan(num_computed, first, hits - first, found.tiers[first:hits], sync,
+                        deadline)
         return external, not sync
+
+    def _plan(self, st: _Req, found: Any, first: int) -> tuple[int, float | None]:
+        """(chunks of the chain to count as hit, the load's deadline): the prefix of the hit
+        past the local one whose load beats recomputing it (`plan_load`)."""
+        if st.load_failed or found.hit_blocks <= first:
+            return first, None
+        if not self.deadlines:
+            return found.hit_blocks, None
+        plan = plan_load(found.tiers[first:found.hit_blocks], self.chunk, first * self.chunk,
+                         lambda ts: self.store.expected_load_s(ts, self.frame_bytes),
+                         self.recompute)
+        if plan.chunks < found.hit_blocks - first:
+            log.debug("kvtier: %s: loading %d of %d hit chunks (load %.1f ms against "
+                      "recompute %.1f ms)", st.request.request_id, plan.chunks,
+                      found.hit_blocks - first, plan.expected_s * 1e3, plan.recompute_s * 1e3)
+        return first + plan.chunks, plan.deadline_s
 
     def _load_sync(self, st: _Req) -> bool:
         if self.load_mode != "auto":
@@ -179,30 +218,62 @@ class SchedulerSide:
         rows = [ids[c * m:(c + 1) * m] for c in range(plan.first, plan.first + n)]
         skip = plan.num_computed // self.shape.block_size - plan.first * self.m
         self._loads.append(LoadJob(request.request_id, st.keys[plan.first:plan.first + n],
-                                   rows, skip, list(plan.tiers[:n]), plan.sync))
+                                   rows, skip, list(plan.tiers[:n]), plan.sync,
+                                   plan.deadline_s))
         st.loads["sync" if plan.sync else "async"] += 1
         st.loaded_upto = st.saved_upto = plan.first + n
-        st.sources = self._account(st, plan, n, num_external)
+        if plan.deadline_s is not None:
+            st.deadlines_ms.append(round(plan.deadline_s * 1e3, 1))
+        promise = self._promise(plan, n, num_external)
+        st.promises.append(promise)
+        st.sources = self._sources(promise)
 
-    def _account(self, st: _Req, plan: _Plan, n: int, num_external: int
-                 ) -> dict[CacheHitSource, int]:
-        """Tokens promised per tier (stats), and per vLLM cache-hit source."""
-        out: dict[CacheHitSource, int] = {}
-        left = num_external
-        first = True
-        for tier, run in itertools.groupby(plan.tiers[:n]):  # a run of chunks in one tier
-            cap = sum(1 for _ in run) * self.chunk
-            if first:
-                cap -= plan.num_computed % self.chunk
-                first = False
-            tokens = min(left, cap)
+    def _promise(self, plan: _Plan, n: int, num_external: int) -> list[tuple[str, int]]:
+        """(tier, tokens) of each chunk of the load: the first starts inside the local hit."""
+        out, left = [], num_external
+        for c, tier in enumerate(plan.tiers[:n]):
+            tokens = min(left, self.chunk - (plan.num_computed % self.chunk if c == 0 else 0))
             left -= tokens
-            self.stats.add(f"hit_tokens:{tier}", tokens)
-            st.tier_tokens[tier] = st.tier_tokens.get(tier, 0) + tokens
+            out.append((tier, tokens))
+        return out
+
+    def _sources(self, promise: list[tuple[str, int]]) -> dict[CacheHitSource, int]:
+        """Tokens promised per vLLM cache-hit source (vLLM's own hit metrics)."""
+        out: dict[CacheHitSource, int] = {}
+        for tier, tokens in promise:
             src = _HIT_SOURCE.get(self.tier_kinds.get(tier, ""),
                                   CacheHitSource.EXTERNAL_UNSPECIFIED)
             out[src] = out.get(src, 0) + tokens
         return {k: v for k, v in out.items() if v}
+
+    def update_connector_output(self, output: Any) -> None:
+        """Learn from the forwards the workers timed, and count what they loaded: a job's
+        chunks once every rank has reported."""
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        for tokens, attn, seconds in getattr(meta, "steps", ()):
+            self.recompute.observe(tokens, attn, seconds)
+        for req_id, rank, chunks in getattr(meta, "settled", ()):
+            ranks = self._settling.setdefault(req_id, {})
+            ranks[rank] = chunks
+            if len(ranks) < self.world:
+                continue
+            del self._settling[req_id]
+            st = self.reqs.get(req_id)
+            if st is not None and st.promises:
+                self._settle(st, min(ranks.values()))
+
+    def _settle(self, st: _Req, loaded: int) -> None:
+        """The oldest load job of `st` landed its first `loaded` chunks: those are hits, the
+        rest was promised and recomputed."""
+        promise = st.promises.pop(0)
+        for tier, tokens in promise[:loaded]:
+            self.stats.add(f"hit_tokens:{tier}", tokens)
+            st.tier_tokens[tier] = st.tier_tokens.get(tier, 0) + tokens
+        lost = sum(tokens for _, tokens in promise[loaded:])
+        if lost:
+            self.stats.add("recomputed_tokens", lost)
+            st.recomputed += lost
+            st.load_failed = True
 
     def hit_sources(self, request: Any, num_external: int) -> dict[CacheHitSource, int]:
         st = self.reqs.get(request.request_id)
@@ -213,6 +284,7 @@ class SchedulerSide:
     # ---- per step: block tracking and saves ---------------------------------------------
 
     def build_connector_meta(self, out: Any) -> KVTierMetadata:
+        work = self._step_work(out)
         for new in out.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
             if st is None:
@@ -243,9 +315,19 @@ class SchedulerSide:
                     # block and recomputes from there; save what it recomputes.
                     st.saved_upto = computed // self.chunk
             self._plan_save(st, computed + out.num_scheduled_tokens[req_id])
-        meta = KVTierMetadata(self._loads, self._saves, self._hold, self._events)
+        meta = KVTierMetadata(self._loads, self._saves, self._hold, self._events, work)
         self._loads, self._saves, self._hold, self._events = [], [], [], []
         return meta
+
+    @staticmethod
+    def _step_work(out: Any) -> tuple[float, float]:
+        """What this step's forward computes, as `RecomputeModel` counts it."""
+        work = [(out.num_scheduled_tokens.get(r.req_id, 0), r.num_computed_tokens)
+                for r in out.scheduled_new_reqs]
+        cached = out.scheduled_cached_reqs
+        work += [(out.num_scheduled_tokens.get(r, 0), c)
+                 for r, c in zip(cached.req_ids, cached.num_computed_tokens)]
+        return RecomputeModel.step_features(work)
 
     def has_pending_push_work(self) -> bool:
         """Events not yet handed to the workers: the engine must step once more (a turn that
@@ -279,9 +361,12 @@ class SchedulerSide:
         return True
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """(keep the blocks?, `{"kvtier": {"hit_tokens": {tier: n}, "saved_chunks": n,
-        "loads": {"async": n, "sync": n}}}`): `loads` counts the request's loads from kvtier
-        by how they ran (more than one after a preemption).
+        """(keep the blocks?, `{"kvtier": {"hit_tokens": {tier: n}, "recomputed_tokens": n,
+        "load_deadlines_ms": [ms], "saved_chunks": n, "loads": {"async": n, "sync": n}}}`):
+        `hit_tokens` counts the tokens loaded from each tier, `recomputed_tokens` those
+        promised and then recomputed (a load that failed or passed its deadline),
+        `load_deadlines_ms` the deadline each of its loads was given, `loads` the request's
+        loads from kvtier by how they ran (more than one after a preemption).
 
         Chunks saved in earlier steps were gathered in those steps, before the blocks could
         be freed (on CUDA: queued on the compute stream before any later write), so they need
@@ -293,6 +378,12 @@ class SchedulerSide:
         if st is None:
             return False, None
         self._running -= st.scheduled
+        self._settling.pop(request.request_id, None)
+        while st.promises and st.scheduled:
+            # A load not reported yet finished in this very step (a sync load): vLLM would
+            # have rescheduled the request, not ended it, had any of its blocks failed. (One
+            # never scheduled was aborted while loading: nothing of it counts.)
+            self._settle(st, len(st.promises[0]))
         # never scheduled (aborted while loading): its blocks hold nothing to save
         hold = st.scheduled and self._plan_save(st, request.num_computed_tokens,
                                                 list(block_ids))
@@ -310,6 +401,8 @@ class SchedulerSide:
                       request.request_id)
             self._hold.append(request.request_id)
         return hold, {"kvtier": {"hit_tokens": dict(st.tier_tokens),
+                                 "recomputed_tokens": st.recomputed,
+                                 "load_deadlines_ms": st.deadlines_ms,
                                  "saved_chunks": st.saved_chunks, "loads": dict(st.loads)}}
 
     def get_stats(self) -> KVTierStats | None:

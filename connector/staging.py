@@ -14,7 +14,8 @@ acquires; `acquire` blocks while all are taken (backpressure on saves, never a d
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from concurrent.futures import Future
+from typing import Callable, Sequence
 
 import torch
 
@@ -86,11 +87,13 @@ class StagingPool:
         self._created = 0
         self._cond = threading.Condition()
 
-    def acquire(self) -> FrameBuffer:
-        """A free buffer; waits while all `max_buffers` are in use."""
+    def acquire(self, timeout_s: float | None = None) -> FrameBuffer | None:
+        """A free buffer; waits while all `max_buffers` are in use, at most `timeout_s`
+        (then None)."""
         with self._cond:
-            while not self._free and self._created >= self.max_buffers:
-                self._cond.wait()
+            if not self._cond.wait_for(lambda: self._free or self._created < self.max_buffers,
+                                       timeout_s):
+                return None
             if self._free:
                 return self._free.pop()
             self._created += 1
@@ -103,6 +106,23 @@ class StagingPool:
         with self._cond:
             self._free.append(buf)
             self._cond.notify()
+
+    def release_after(self, buf: FrameBuffer, pending: Sequence[Future]) -> None:
+        """Release `buf` once every transfer still writing into it is done (a load that
+        passed its deadline leaves its transfer running: the buffer stays out of use)."""
+        left = [len(pending)]
+        lock = threading.Lock()
+
+        def one_done(_fut) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.release(buf)
+        if not pending:
+            self.release(buf)
+        for fut in pending:
+            fut.add_done_callback(one_done)
 
     @property
     def in_use(self) -> int:

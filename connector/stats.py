@@ -2,10 +2,12 @@
 
 `data` is plain, picklable: `{"counters": {name: number}, "ms": {"load": [...], "save":
 [...]}}`. Counters sum when aggregated across workers and intervals; `ms` lists are the
-per-batch durations. Counter names: `hit_tokens:<tier>` (scheduler, tokens promised from each
-tier), `lookups`, `lookup_tokens` (tokens asked for), `load_bytes`, `load_chunks`,
+per-batch durations. Counter names: `hit_tokens:<tier>` (scheduler, tokens loaded from each
+tier, counted once the workers say they landed), `recomputed_tokens` (scheduler: promised,
+then recomputed), `lookups`, `lookup_tokens` (tokens asked for), `load_bytes`, `load_chunks`,
 `load_in_place_chunks` (of those, scattered straight from a pool segment file),
-`load_error_blocks`, `save_bytes`, `save_chunks`, `save_failed_chunks`.
+`load_error_blocks`, `load_late_chunks` (chunks not loaded by their deadline), `save_bytes`,
+`save_chunks`, `save_failed_chunks`.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         "load_in_place_chunks": "Chunks loaded straight from a pool segment file, no copy",
         "save_bytes": "Bytes saved from the paged KV cache into kvtier",
         "load_error_blocks": "vLLM blocks kvtier failed to load (recomputed)",
+        "recomputed_tokens": "Prompt tokens kvtier promised and vLLM then recomputed",
+        "load_late_chunks": "Chunks not loaded by their load's deadline (recomputed)",
         "save_failed_chunks": "Chunks kvtier could not save",
     }
 

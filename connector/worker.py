@@ -24,7 +24,8 @@ from kvtier.connector import storeref
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.io_thread import IOThread, LoadBatch, SaveBatch, stage_save
 from kvtier.connector.layout import PagedKV
-from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob, StoreEvent
+from kvtier.connector.metadata import (KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob,
+                                       StoreEvent)
 from kvtier.connector.naming import check_layout, kv_shape, make_namespace, rank_keys
 from kvtier.connector.staging import FrameBuffer, StagingPool
 from kvtier.connector.stats import KVTierStats
@@ -50,6 +51,7 @@ class WorkerSide:
         self.cfg = cfg
         self.shape = kv_shape(kv_cache_config)
         tp_rank, pp_rank = _ranks()
+        self.rank = pp_rank * vllm_config.parallel_config.tensor_parallel_size + tp_rank
         self.ns = make_namespace(vllm_config, self.shape, cfg.policy, tp_rank, pp_rank)
         self.fingerprint = self.ns.fingerprint()
         self.m = cfg.policy.chunk_tokens // self.shape.block_size
@@ -63,6 +65,9 @@ class WorkerSide:
         self._finished_seen: set[str] = set()
         self._gathers: dict[str, list[Any]] = {}  # held req -> CUDA events of its gathers
         self._errors: set[int] = set()
+        self._settled: list[tuple[str, int]] = []  # (request, chunks its load job loaded)
+        self._forward: tuple | None = None   # (work, start) of the step being computed
+        self._timed: list[tuple] = []        # (work, start, end) of forwards to report
         self._idle_step = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -113,6 +118,21 @@ class WorkerSide:
 
     # ---- per step -----------------------------------------------------------------------
 
+    def begin_step(self, meta: KVTierMetadata) -> None:
+        """The step's metadata arrived; its forward starts now (timed for the scheduler's
+        recompute model; on CUDA with events, as the forward runs asynchronously)."""
+        self._forward = None
+        if meta.work[0] <= 0 or any(job.sync for job in meta.loads):
+            return  # nothing to time, or a synchronous load inside the interval
+        self._forward = (meta.work, self._now())
+
+    def _now(self):
+        if self.paged is None or self.paged.device.type != "cuda":
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
     def start_load_kv(self, meta: KVTierMetadata, idle_step: bool = False) -> None:
         """Queue the step's loads; `idle_step`: the step has nothing to compute."""
         self._idle_step = idle_step
@@ -146,12 +166,18 @@ class WorkerSide:
         keys = rank_keys(job.keys, self.fingerprint)
         step = self.io.load_pool.capacity
         starts = list(range(0, len(keys), step))
+        # The request waits from now: past its deadline, what has not arrived is recomputed.
+        deadline = None if job.deadline_s is None else time.monotonic() + job.deadline_s
         return [LoadBatch(job.req_id, keys[s:s + step], job.block_ids[s:s + step],
                           job.skip_first if s == 0 else 0, last=(s == starts[-1]),
-                          tiers=job.tiers[s:s + step] or None, sync=job.sync)
+                          tiers=job.tiers[s:s + step] or None, sync=job.sync,
+                          deadline=deadline)
                 for s in starts]
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
+        if self._forward is not None:  # the forward is done (on CUDA: queued) by now
+            self._timed.append((*self._forward, self._now()))
+            self._forward = None
         if meta.saves:
             self._require_registered()
             for job in meta.saves:
@@ -182,9 +208,10 @@ class WorkerSide:
         if self.io is not None:
             if self._idle_step:  # nothing else to do this step: wait for a load, briefly
                 self.io.wait_for_load(IDLE_WAIT_S)
-            done, failed = self.io.take_results()
+            done, failed, settled = self.io.take_results()
             recving.update(done)
             self._errors |= failed
+            self._settled.extend(settled)
             if done:
                 log.debug("kvtier: loads done %s, %d failed blocks", sorted(done), len(failed))
         return sending or None, recving or None
@@ -192,6 +219,24 @@ class WorkerSide:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def build_worker_meta(self) -> KVTierWorkerMeta | None:
+        """What this step's finished load jobs loaded (the scheduler's hit accounting) and
+        the forwards timed since the last step (its recompute model)."""
+        steps, left = [], []
+        for work, start, end in self._timed:
+            if isinstance(end, float):
+                steps.append((*work, end - start))
+            elif end.query():  # a CUDA event pair whose forward has finished
+                steps.append((*work, start.elapsed_time(end) / 1e3))
+            else:
+                left.append((work, start, end))
+        self._timed = left[-64:]
+        if not (self._settled or steps):
+            return None
+        meta = KVTierWorkerMeta([(req, self.rank, n) for req, n in self._settled], steps)
+        self._settled = []
+        return meta
 
     def get_stats(self) -> KVTierStats | None:
         with self.stats_lock:

@@ -4,6 +4,10 @@ bytes moved and errors offline and beside running instances.
 Each process writes its own cumulative counters (one row per process and tier, keyed
 `node_id/pid/start/tier`) every few seconds and at close; readers sum the rows. Rows of
 processes that exited stay, so sums are totals since the index was created.
+
+Beside them, in the same transaction, each process publishes what it measured of its tiers'
+read times (`store.rates`, one row per process, keyed `node_id/pid/start`), so a process that
+reads nothing itself (vLLM's scheduler) plans loads with what the node's workers saw.
 """
 
 from __future__ import annotations
@@ -16,21 +20,27 @@ from collections import defaultdict
 from kvtier.store.base.index import Index
 
 TABLE = "counters"
+RATES = "load_rates"
 # the tiers' own counters, then the mover's per tier (`Copier.tier_counters`)
 SUMMED = ("hits", "misses", "corrupt", "errors", "puts", "deletes", "bytes_in", "bytes_out",
-          "persist_misses", "demote_misses", "from_frames", "unheld")
+          "late", "persist_misses", "demote_misses", "from_frames", "unheld")
 _START = int(time.time())
 
 
-def write_counters(index: Index, node_id: str, usage: dict[str, dict[str, int]]) -> None:
-    """Store this process's cumulative counters of every tier (one write transaction)."""
+def write_counters(index: Index, node_id: str, usage: dict[str, dict[str, int]],
+                   rates: dict[str, dict[str, float]] | None = None) -> None:
+    """Store this process's cumulative counters of every tier, and its read-time estimates
+    (`LoadRates.rows`) when it has any (one write transaction)."""
     index.open_table(TABLE)
+    index.open_table(RATES)
     prefix = f"{node_id}/{os.getpid()}/{_START}/"
 
     def go(txn) -> None:
         for tier, counts in usage.items():
             row = {k: int(counts.get(k, 0)) for k in SUMMED}
             txn.put(TABLE, (prefix + tier).encode(), json.dumps(row).encode())
+        if rates:
+            txn.put(RATES, prefix.encode(), json.dumps(rates).encode())
 
     index.run_write(go)
 
@@ -47,3 +57,14 @@ def read_counters(index: Index) -> dict[str, dict[str, int]]:
                 if k in SUMMED:
                     totals[tier][k] += int(v)
     return dict(totals)
+
+
+def read_rates(index: Index, newest: int = 64) -> list[dict[str, dict[str, float]]]:
+    """The read-time estimates the node's processes published, of the `newest` processes
+    (by start time: the rows of long-gone processes stay, and say less of today)."""
+    if not index.open_table(RATES):
+        return []
+    with index.read() as txn:
+        rows = [(k.decode().split("/"), v) for k, v in txn.rows(RATES)]
+    rows.sort(key=lambda kv: int(kv[0][2]) if len(kv[0]) > 2 and kv[0][2].isdigit() else 0)
+    return [json.loads(v) for _, v in rows[-newest:]]

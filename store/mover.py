@@ -31,6 +31,7 @@ from kvtier.store.base.index import Index
 from kvtier.store.copier import Copier
 from kvtier.store.counters import write_counters
 from kvtier.store.frame_hold import FrameHold, PersistRisk
+from kvtier.store.rates import LoadRates
 from kvtier.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -52,8 +53,10 @@ class Mover:
     """
 
     def __init__(self, tiers: Sequence[Tier], placement: "Placement", index: Index,
-                 node_id: str, cfg: MoverConfig, start: bool = True):
+                 node_id: str, cfg: MoverConfig, start: bool = True,
+                 rates: LoadRates | None = None):
         self.tiers = list(tiers)
+        self.rates = rates  # published with the counters (`store.counters`)
         self.by_name = {t.name: t for t in self.tiers}
         self.placement, self.index, self.node_id = placement, index, node_id
         self.cfg = cfg
@@ -94,7 +97,8 @@ class Mover:
 
     def save_counters(self) -> None:
         """Record this process's tier counters in the index (for `kvtier inspect`)."""
-        write_counters(self.index, self.node_id, self.usage())
+        write_counters(self.index, self.node_id, self.usage(),
+                       self.rates.rows() if self.rates is not None else None)
 
     # ---- requests (any thread) ----------------------------------------------------------
 

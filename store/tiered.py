@@ -15,6 +15,11 @@ Primitives (batched; a miss is a value):
   background (from copies of the frames when that tier may drop them first, see
   `store.mover`). No tier failure reaches the caller: an unreachable tier is skipped.
 - `finish(keys, hint)`: a request ended (the end of a session's turn).
+- `load_within(keys, outs, where, deadline)`: `load` that returns by a deadline whatever the
+  tiers do (a stalled lender, an expired lease): blocks not read by then are `MISS`, and the
+  transfer still running is handed back, so the caller reuses `outs` only once it is done.
+  `expected_load_s(tiers, nbytes)` is what a load should take (`store.rates`, learned from
+  this node's loads).
 
 Callers guarantee what the tier contract asks (sealed frames, big enough out buffers); a
 batch holding anything but well-formed keys is refused whole (ValueError), so no string
@@ -33,12 +38,15 @@ import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from kvtier.store.base.block import HEADER_SIZE
 from kvtier.store.base.config import Policy
 from kvtier.store.base.errors import TierError, TierUnavailableError
 from kvtier.store.base.index import Index
 from kvtier.store.base.keys import check_keys
 from kvtier.store.mover import Mover
 from kvtier.store.placement import Placement
+from kvtier.store.deadline import DeadlineLoads, LoadOutcome
+from kvtier.store.rates import LoadRates
 from kvtier.tiers.base import MISS, InPlaceRun, Tier, TierContext
 from kvtier.tiers.mooncake.master import EmbeddedMaster, ensure_master
 from kvtier.tiers.registry import open_tier
@@ -89,8 +97,10 @@ class TieredStore:
             raise
         self.by_name = {t.name: t for t in self.tiers}
         self.placement = Placement(policy, self.tiers, self.index, clock)
+        self.rates = LoadRates({t.name: t.kind for t in self.tiers})
+        self._deadlines = DeadlineLoads(self.load, self.rates, self.index)
         self.mover = Mover(self.tiers, self.placement, self.index, self.node_id, policy.mover,
-                           start=mover)
+                           start=mover, rates=self.rates)
         self._closed = False
         self._lock = threading.Lock()
 
@@ -175,6 +185,25 @@ class TieredStore:
             self._load_from(tier, keys, outs, result, todo)
         return result
 
+    def load_within(self, keys: Sequence[str], outs: Sequence[memoryview],
+                    where: Sequence[str | None] | None, deadline: float,
+                    parts: int = 1) -> LoadOutcome:
+        """`load`, returning by `deadline` (`time.monotonic()`) whatever the tiers do
+        (`store.deadline.DeadlineLoads.load_within`)."""
+        out = self._deadlines.load_within(keys, outs, where, deadline, parts)
+        for lo, hi in out.late_runs:  # counted against the tier each block was expected from
+            for i in range(lo, hi):
+                tier = self.by_name.get(where[i]) if where is not None else self.tiers[0]
+                if tier is not None:
+                    tier.stats.add(late=1)
+        return out
+
+    def expected_load_s(self, tiers: Sequence[str | None], nbytes_each: int
+                        ) -> tuple[float, bool]:
+        """(Seconds a load of blocks of `nbytes_each` found in `tiers` should take, whether
+        that was measured on this node rather than guessed)."""
+        return self._deadlines.expected_s(tiers, nbytes_each)
+
     def locate(self, keys: Sequence[str], where: Sequence[str | None] | None = None
                ) -> list[InPlaceRun]:
         """Runs of blocks the first tier lets the caller read where they lie, without a copy
@@ -216,12 +245,16 @@ class TieredStore:
         """Read blocks `todo` from `tier` into `outs`, filling `result` where it has them."""
         if not todo:
             return
+        t0 = time.monotonic()
         try:
             got = tier.get([keys[i] for i in todo], [outs[i] for i in todo])
         except TierError as e:
             log.warning("load skips tier %s: %s", tier.name, e)
             return
         hits = [i for i, n in zip(todo, got) if n != MISS]
+        if hits:
+            self.rates.observe(tier.name, sum(got[i] + HEADER_SIZE for i in range(len(got))
+                                              if got[i] != MISS), time.monotonic() - t0)
         for i, n in zip(todo, got):
             if n != MISS:
                 result[i] = n
@@ -287,6 +320,7 @@ class TieredStore:
                 return
             self._closed = True
         self.mover.stop()
+        self._deadlines.close()
         self.save_counters()
         self._close_tiers()
         self.index.close()

@@ -141,6 +141,10 @@ class MooncakeTierConfig(BaseModel):
     # spills to other segments when it is full. False lets the master place every object.
     prefer_local: bool = True
     retry_backoff_s: float = Field(default=0.05, ge=0)
+    # A transfer that moves no byte for this long is dropped (Mooncake's TCP progress
+    # timeout, `MC_TCP_PROGRESS_TIMEOUT_SEC`, set for the process unless already set): a
+    # load has given up on it long before (its deadline), and until then it spins a core.
+    stall_timeout_s: float = Field(default=2.0, gt=0, le=600)
     # The node's pool service (Mooncake's standalone `mooncake_client`) at this address:
     # set, this process lends nothing and moves frames through shared memory with the
     # service, which holds the node's segment of `capacity` bytes (the fast path when

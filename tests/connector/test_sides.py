@@ -55,7 +55,8 @@ def make_sides(root, tiers: list[dict], staging: int = 1 << 20, master: str | No
         view.copy_(torch.randn(view.shape).to(torch.bfloat16))
     vconf = SimpleNamespace(model_config=model_config or SimpleNamespace(model="/m"),
                             parallel_config=SimpleNamespace(tensor_parallel_size=1,
-                                                            pipeline_parallel_size=1))
+                                                            pipeline_parallel_size=1),
+                            scheduler_config=SimpleNamespace(max_num_batched_tokens=8192))
     cfg = ConnectorConfig(policy, "unit", staging, 2, "async")
     worker = WorkerSide(vconf, kvc, cfg)  # first, as vLLM builds them in one process
     sched = SchedulerSide(vconf, kvc, cfg)
@@ -136,7 +137,14 @@ def load_into(s, req_id, tokens, ids, local=0, tiers=None):
     while not recving:
         sending, recving = s.worker.get_finished(set())
     assert recving == {req_id}
+    report_loads(s)
     return r, n
+
+
+def report_loads(s):
+    """What vLLM does after each step: the workers' metadata to the scheduler side."""
+    s.sched.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=s.worker.build_worker_meta()))
 
 
 def save_with_a_corrupt_chunk(s, tokens, bad: int) -> list[str]:
@@ -247,13 +255,22 @@ def test_final_save_at_request_end_holds_the_blocks_until_gathered(sides):
     run_worker(sides.worker, meta)
     r.all_token_ids, r.num_tokens, r.num_computed_tokens = tokens[:131], 131, 130
     hold, params = sides.sched.request_finished(r, ids)
-    assert hold and params == {"kvtier": {"hit_tokens": {}, "saved_chunks": 2,
+    assert hold and params == {"kvtier": {"hit_tokens": {}, "recomputed_tokens": 0,
+                                          "load_deadlines_ms": [], "saved_chunks": 2,
                                           "loads": {"async": 0, "sync": 0}}}
     meta = step(sides.sched)
     assert meta.hold == ["r1"] and [len(j.keys) for j in meta.saves] == [1]
     sending, _ = run_worker(sides.worker, meta, finished={"r1"})
     assert sending == {"r1"}  # released once the chunk is out of the blocks
     assert run_worker(sides.worker, step(sides.sched))[0] is None  # reported once
+
+
+class _Positive:
+    def __eq__(self, other):
+        return isinstance(other, float) and other > 0
+
+
+ANY_DEADLINE = _Positive()
 
 
 def test_request_aborted_while_loading_saves_nothing_and_holds_nothing(sides):
@@ -263,8 +280,10 @@ def test_request_aborted_while_loading_saves_nothing_and_holds_nothing(sides):
     n, _ = sides.sched.get_num_new_matched_tokens(r, 0)
     sides.sched.update_state_after_alloc(r, blocks(range(50, 60)), n)
     r.num_computed_tokens = n  # vLLM sets it at allocation, before the load lands
+    # Nothing was loaded into a request that never ran: no hit is counted (nor recomputed).
     assert sides.sched.request_finished(r, list(range(50, 60))) == \
-        (False, {"kvtier": {"hit_tokens": {"shared": n}, "saved_chunks": 0,
+        (False, {"kvtier": {"hit_tokens": {}, "recomputed_tokens": 0,
+                            "load_deadlines_ms": [ANY_DEADLINE], "saved_chunks": 0,
                             "loads": {"async": 1, "sync": 0}}})
     meta = step(sides.sched)
     assert len(meta.loads) == 1 and not meta.saves and not meta.hold

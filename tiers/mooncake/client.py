@@ -200,6 +200,9 @@ class MooncakeClient:
 
     def _new_store(self, segment: bool = True) -> Any:
         self._ensure_master()
+        # Read by the transfer engine as it starts; the operator's own setting wins.
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC",
+                              str(max(1, round(self.cfg.stall_timeout_s))))
         store = self.mc.MooncakeDistributedStore()
         if self.cfg.service:
             return self._join_service(store)

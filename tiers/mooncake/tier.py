@@ -12,8 +12,9 @@ Data path (batched Mooncake calls only):
   becomes visible at PutEnd, whole). A batch sends each key once; an existing key is stored
   (Mooncake answers 0 without a transfer), and counted in `puts` only if new to this process.
 - `get`: `batch_get_into`, straight into registered out buffers, else into staging and one
-  copy. Every frame is verified (`block.verify`); one that fails is counted in `corrupt`,
-  removed from the pool and from the index, and reported as MISS.
+  copy. Every frame is verified (`block.verify`; frames of 1 MiB and more on every core,
+  `store.base.verify_pool`); one that fails is counted in `corrupt`, removed from the pool
+  and from the index, and reported as MISS.
 - `locate` / `verify_in_place` (with `segment_dir`): runs of frames lying at one stride in
   another process's segment file, handed out to be read where they lie, then checked
   (`tiers.mooncake.segments`); the connector scatters them straight into the paged cache and
@@ -41,9 +42,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from kvtier.store.base.block import (HEADER_SIZE, KEY_AT, KEY_LEN, parse_header, verified_len,
-                                verify, verify_used)
+                                     verify, verify_used)
 from kvtier.store.base.config import MooncakeTierConfig
 from kvtier.store.base.errors import CorruptBlockError
+from kvtier.store.base.verify_pool import verified_lens
 from kvtier.tiers.base import MISS, InPlaceRun, Tier, full_error
 from kvtier.tiers.mooncake import check as mooncake_check
 from kvtier.tiers.mooncake.client import (INVALID_PARAMS, MISS_CODES, NO_AVAILABLE_HANDLE,
@@ -58,6 +60,7 @@ FULL_RETRIES = 4            # back-off steps on -200 before TierFullError
 ALREADY_EXISTS = -705
 MIN_RUN = 8                 # fewer frames at one stride are copied, not read in place
 PROBE_EVERY = 16            # a predicted run is checked at every 16th frame's key
+TRANSFER_THREADS = 4        # transfers of concurrent calls in flight at once
 
 
 class MooncakeTier(Tier):
@@ -73,7 +76,9 @@ class MooncakeTier(Tier):
         self._staging_lock = threading.Lock()  # one call at a time uses staging
         # False sends every transfer through staging, registered or not (benchmarks, debugging).
         self.zero_copy = True
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{cfg.name}")
+        # Several: a transfer stuck on a stalled lender must not hold up the next call.
+        self._worker = ThreadPoolExecutor(TRANSFER_THREADS,
+                                          thread_name_prefix=f"kvtier-{cfg.name}")
         self.usage = PoolUsage(cfg.capacity_bytes, self.client, ctx.master)
         # Other processes' segments of this node, read straight from their files.
         self.segments = Segments(cfg.segment_dir) if cfg.segment_dir else None
@@ -155,16 +160,22 @@ class MooncakeTier(Tier):
         corrupt: list[str] = []
         too_small: list[int] = []
 
-        def check(i: int, code: int, frame: memoryview) -> None:
-            if code >= 0:
-                try:
-                    result[i] = verified_len(frame[:code], keys[i], code)
-                except CorruptBlockError:
+        def check(items: list[tuple[int, int, memoryview]]) -> None:
+            """Verify the frames a call read, (index, code, frame) each (`verify_pool`: large
+            frames on every core)."""
+            read = [(i, code, frame) for i, code, frame in items if code >= 0]
+            lens = verified_lens([f[:c] for _, c, f in read], [keys[i] for i, _, _ in read],
+                                 [c for _, c, _ in read])
+            for (i, _, _), n in zip(read, lens):
+                if n is None:
                     corrupt.append(keys[i])
-            elif code == INVALID_PARAMS:  # the object is larger than the caller's buffer
-                too_small.append(i)
-            elif code == TRANSFER_FAIL or code not in MISS_CODES:
-                self.stats.add(errors=1)  # -800: the client lending that segment is gone
+                else:
+                    result[i] = n
+            for i, code, _ in items:
+                if code == INVALID_PARAMS:  # the object is larger than the caller's buffer
+                    too_small.append(i)
+                elif code < 0 and (code == TRANSFER_FAIL or code not in MISS_CODES):
+                    self.stats.add(errors=1)  # -800: the client lending that segment is gone
 
         # Each key once: Mooncake's batch_get_into fills only the last buffer of a key that
         # appears twice in a batch, yet answers success for every occurrence.
@@ -176,7 +187,8 @@ class MooncakeTier(Tier):
             uniq = self._get_direct(keys, views, uniq, result)
         if uniq:
             self._transfer("get", [keys[i] for i in uniq], [views[i] for i in uniq],
-                           [len(views[i]) for i in uniq], lambda j, c, f: check(uniq[j], c, f))
+                           [len(views[i]) for i in uniq],
+                           lambda items: check([(uniq[j], c, f) for j, c, f in items]))
         too_small = self._sound_frames(keys, too_small, corrupt)
         if corrupt:
             self._quarantine(corrupt)
@@ -377,11 +389,11 @@ class MooncakeTier(Tier):
             # which is a sizeable share of a 256 KiB call (~0.1-0.2 ms in Mooncake).
             codes = (store.batch_put_from(list(keys), addrs, sizes, self.client.replicate)
                      if op == "put" else store.batch_get_into(list(keys), addrs, sizes))
-            for i, code in enumerate(codes):
+            for code in codes:
                 if is_down(code):
                     raise self.client.fail(call, code)
-                if check is not None:
-                    check(i, code, views[i])
+            if check is not None:
+                check([(i, code, views[i]) for i, code in enumerate(codes)])
             return codes
         staging = self.client.staging
         chunks = plan_chunks(sizes, direct, len(staging), merge_direct=(op == "put"),
@@ -403,6 +415,7 @@ class MooncakeTier(Tier):
                     staging[off:off + sizes[i]] = views[i][:sizes[i]]
 
         def post(chunk: Chunk, got: list[int]) -> None:
+            items = []
             for j, (i, code) in enumerate(zip(chunk.idx, got)):
                 codes[i] = code
                 if is_down(code):
@@ -413,7 +426,9 @@ class MooncakeTier(Tier):
                 if chunk.staged and code > 0:  # staged get: one copy out
                     off = chunk.offsets[j]
                     frame[:code] = staging[off:off + code]
-                check(i, code, frame)
+                items.append((i, code, frame))
+            if items:
+                check(items)
 
         args = (self._worker, chunks, xfer, pre, post, len(staging))
         if any(c.staged for c in chunks):

@@ -6,7 +6,8 @@ one batch of sealed frames, round after round, deleting the batch after each rou
 same run it measures the references: raw `mooncake.store` batch calls with registered buffers
 (interleaved round by round with the mooncake tier, so load from elsewhere hits both alike)
 and fio (io_uring, O_DIRECT) on each file tier's filesystem at the same block size and queue
-depth (1 for a batch of 1, else the nvme queue depth). The mooncake tier runs twice: from
+depth (1 for a batch of 1, else the nvme queue depth), and the frame checksum alone, in one
+thread and on every core (`tools.bench.checksum`). The mooncake tier runs twice: from
 registered buffers (zero-copy) and through its staging buffer; nvme runs with both engines.
 
 Every case moves about `op_bytes` per op (within [min_iters, max_iters] calls); a batch never
@@ -33,6 +34,7 @@ from kvtier.tiers.mooncake.master import EmbeddedMaster, ensure_master, free_por
 from kvtier.tiers.registry import open_tier
 from kvtier.tools.bench import fio as bench_fio
 from kvtier.tools.bench import report as bench_report
+from kvtier.tools.bench.checksum import checksum_rows
 from kvtier.tools.bench.report import Row, row_from_times
 from kvtier.tools.bench.targets import SLOT_ALIGN, RawTarget, TierTarget, Workload
 
@@ -213,6 +215,8 @@ def run_bench(spec: BenchSpec, policy_path: Path | None = None, root: Path | Non
                 if spec.fio and group[0].reference == "fio":
                     fio_dir = Path(group[0].extra["path"]).parent / ".kvtier-fio"
                     got += fio_rows(fio_dir, rows, spec, console, fio_done)
+            if only is None or "verify" in only:
+                got += checksum_rows(spec.sizes, spec.max_batch_bytes)
             runs.append(got)
     finally:
         for thing in reversed(opened):

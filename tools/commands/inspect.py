@@ -70,13 +70,14 @@ def inspect(ctx: typer.Context, policy: Optional[Path] = POLICY,
 def _render_summary(console: Console, data: dict) -> None:
     table = Table(title=f"kvtier index {data['index']}")
     for col in ("tier", "kind", "capacity", "blocks", "bytes", "pending", "hits", "misses",
-                "in", "out", "errors"):
+                "late", "in", "out", "errors"):
         table.add_column(col, justify="left" if col in ("tier", "kind") else "right")
     for name, t in data["tiers"].items():
         cap = t.get("capacity_bytes")
         table.add_row(name, t.get("kind", "?"), format_size(cap) if cap else "-",
                       str(t["blocks"]), format_size(t["bytes"]), str(t["pending"]),
-                      str(t["hits"]), str(t["misses"]), format_size(t["bytes_in"]),
+                      str(t["hits"]), str(t["misses"]), str(t.get("late", 0)),
+                      format_size(t["bytes_in"]),
                       format_size(t["bytes_out"]), str(t["errors"] + t["corrupt"]))
     console.print(table)
     h = data["health"]

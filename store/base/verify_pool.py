@@ -1,0 +1,58 @@
+"""Verification of many frames at once, on every core: what a read of a batch of blocks costs.
+
+Every frame read is verified (`block.verified_len`), and its xxh3-64 is the one per-byte cost
+kvtier adds to a transfer. xxh3 runs at 8-9 GB/s on one core here, and the binding releases
+the GIL while it hashes a large buffer, so frames of `PARALLEL_MIN_BYTES` and more are
+verified on a pool of threads (one per core, at most `MAX_THREADS`): a batch of 2 MiB frames
+checks 1.9x faster on two cores, and on a 16-core host the checksum stops bounding a hit.
+Smaller frames are checked in the calling thread: for 256 KiB and less the binding keeps
+the GIL, and threads only fight over it (measured: 0.5x at 256 KiB, 0.13x at 32 KiB).
+
+The pool is per process (a child after fork builds its own) and started on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+from kvtier.store.base.block import verified_len
+from kvtier.store.base.errors import CorruptBlockError
+
+PARALLEL_MIN_BYTES = 1 << 20
+MAX_THREADS = 16
+_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
+
+
+def threads() -> int:
+    """How many threads verify a batch on this host."""
+    return max(1, min(MAX_THREADS, os.cpu_count() or 1))
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(threads(),
+                                                     thread_name_prefix="kvtier-verify"))
+        return _pool[1]
+
+
+def _one(frame: memoryview, key: str, length: int) -> int | None:
+    try:
+        return verified_len(frame, key, length)
+    except CorruptBlockError:
+        return None
+
+
+def verified_lens(frames: Sequence[memoryview], keys: Sequence[str],
+                  lengths: Sequence[int]) -> list[int | None]:
+    """`verified_len` of each frame (its payload length), None where it fails verification;
+    large frames in parallel."""
+    n = len(frames)
+    if n < 2 or threads() < 2 or min(lengths, default=0) < PARALLEL_MIN_BYTES:
+        return [_one(f, k, m) for f, k, m in zip(frames, keys, lengths)]
+    return list(_executor().map(_one, frames, keys, lengths))

@@ -1,0 +1,167 @@
+"""Loads that return by a deadline, and what a load should take.
+
+A request waiting on a load must never wait longer than recomputing its tokens would take.
+The tiers' own calls cannot be interrupted (a Mooncake transfer from a stalled lender
+returns when its transfer engine gives up, 30 s or more later), so `load_within` runs the
+load on a loader thread and, at the deadline, hands the caller `MISS` for every block and
+the still-running transfer: the caller must keep the out buffers away from any other use
+until that transfer is done (the connector releases its staging buffer from the
+transfer's completion). Each load runs on a thread of its own; one left past its deadline
+is lowered to the least CPU priority (a stuck transfer busy-waits inside Mooncake, and on
+a small host that would slow the very recompute that replaces it) and ends with its call.
+At most `STUCK_MAX` such threads live at once; beyond that a load fails at once (its
+blocks are recomputed).
+
+`expected_s` is what a load should take: one batched call per tier at the node's measured
+read rates (`store.rates`; a process that loads nothing re-reads the node's every
+`RATES_REFRESH_S`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvtier.store.base.errors import KVTierError
+from kvtier.store.base.index import Index
+from kvtier.store.counters import read_rates
+from kvtier.store.rates import LoadRates
+from kvtier.tiers.base import MISS
+
+log = logging.getLogger(__name__)
+STUCK_MAX = 8
+RATES_REFRESH_S = 5.0
+LEAST_PRIORITY = 19  # nice value of a thread left behind by its deadline
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """What `load_within` read: payload length per key or `MISS`; `pending` the transfers
+    still writing into the out buffers after the deadline."""
+
+    lengths: list[int]
+    pending: tuple[Future, ...] = ()
+    late_runs: tuple[tuple[int, int], ...] = ()  # [lo, hi) of the runs not done in time
+
+    @property
+    def late(self) -> int:
+        """Keys of the runs not done by the deadline."""
+        return sum(hi - lo for lo, hi in self.late_runs)
+
+
+class DeadlineLoads:
+    """Deadline-bounded loads over one store's `load`, and its read-time estimates."""
+
+    def __init__(self, load: Callable, rates: LoadRates, index: Index):
+        self._load, self.rates, self._index = load, rates, index
+        self._rates_read = 0.0
+        self._stuck = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def load_within(self, keys: Sequence[str], outs: Sequence[memoryview],
+                    where: Sequence[str | None] | None, deadline: float,
+                    parts: int = 1) -> LoadOutcome:
+        """Payload length per key or `MISS`, by `deadline` (`time.monotonic()`); see the
+        module docstring for `pending`. `parts` > 1 loads that many consecutive runs of the
+        keys at once: whatever runs are done by the deadline count (a slow lender costs the
+        runs behind it, not the ones before). Never raises for a tier's failure."""
+        n = len(keys)
+        with self._lock:
+            if self._closed or self._stuck >= STUCK_MAX:
+                return LoadOutcome([MISS] * n, (), ((0, n),))  # all stuck: recompute
+        bounds = _split(n, parts)
+        runs = [_Run(self._load, keys[lo:hi], outs[lo:hi],
+                     None if where is None else where[lo:hi]) for lo, hi in bounds]
+        lengths, pending, late = [MISS] * n, [], []
+        for (lo, hi), run in zip(bounds, runs):
+            try:
+                lengths[lo:hi] = run.future.result(timeout=max(0.0,
+                                                               deadline - time.monotonic()))
+            except FutureTimeout:
+                late.append((lo, hi))
+                pending.append(run.future)
+                self._left_behind(run)
+        out = LoadOutcome(lengths, tuple(pending), tuple(late))
+        if late:
+            log.warning("a load of %d blocks passed its deadline: %d of them are recomputed "
+                        "(%d transfers left to finish on their own)", n, out.late, len(pending))
+        return out
+
+    def expected_s(self, tiers: Sequence[str | None], nbytes_each: int
+                   ) -> tuple[float, bool]:
+        """(seconds a load of blocks of `nbytes_each` from `tiers` should take, whether
+        every tier in it has been timed rather than guessed); `tiers` has one entry per
+        block, as a lookup returns them, None for blocks held already."""
+        self._refresh()
+        counts: dict[str, int] = {}
+        for t in tiers:
+            if t is not None:
+                counts[t] = counts.get(t, 0) + 1
+        return (sum(self.rates.predict(t, n * nbytes_each) for t, n in counts.items()),
+                all(self.rates.measured(t) for t in counts))
+
+    def _refresh(self) -> None:
+        now = time.monotonic()
+        if now - self._rates_read < RATES_REFRESH_S:
+            return
+        self._rates_read = now
+        try:
+            self.rates.adopt(read_rates(self._index))
+        except KVTierError as e:  # planning goes on with the estimates it has
+            log.debug("reading the node's load rates failed: %s", e)
+
+    def _left_behind(self, run: "_Run") -> None:
+        with self._lock:
+            self._stuck += 1
+        run.future.add_done_callback(self._unstuck)
+        run.deprioritize()
+
+    def _unstuck(self, _fut) -> None:
+        with self._lock:
+            self._stuck -= 1
+
+    def close(self) -> None:
+        """Stop taking loads; a transfer still stuck ends on its own thread."""
+        with self._lock:
+            self._closed = True
+
+
+class _Run:
+    """One load on a daemon thread of its own, with its result as a `Future`."""
+
+    def __init__(self, fn: Callable, *args):
+        self.future: Future = Future()
+        self.tid: int | None = None
+        self._thread = threading.Thread(target=self._go, args=(fn, args), daemon=True,
+                                        name="kvtier-load")
+        self._thread.start()
+
+    def _go(self, fn: Callable, args) -> None:
+        self.tid = threading.get_native_id()
+        try:
+            self.future.set_result(fn(*args))
+        except BaseException as e:  # handed to the waiter (or dropped, if it gave up)
+            self.future.set_exception(e)
+
+    def deprioritize(self) -> None:
+        """Lower this thread to the least CPU priority (Linux: a nice value per thread)."""
+        if self.tid is None or not hasattr(os, "setpriority"):
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, self.tid, LEAST_PRIORITY)
+        except OSError:  # gone already, or not allowed: it only costs CPU until it ends
+            pass
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` (at most `n`) consecutive, near-equal runs covering range(n)."""
+    parts = max(1, min(parts, n))
+    edges = [n * i // parts for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]

@@ -1,0 +1,94 @@
+"""A hit never costs much more than recomputing it: loads from a lender that stalls are given
+up at their deadline and recomputed, and only what was loaded counts as a hit.
+
+Engines `a` (the lender: its own segment of the pool, over TCP, as the README's plain setup
+has it) and `b` (the reader), in two processes on one real master. `a` is frozen with
+SIGSTOP while `b` loads blocks from `a`'s segment: the transfer hangs (Mooncake gives up
+after 30 s or more), so only the deadline can end `b`'s wait.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
+    Cluster, Engines, chunk_keys, full_block_tokens, make_tiny_model, random_prompt, wait_for)
+from kvtier.store.base.config import policy_from_dict  # noqa: E402
+from kvtier.store.tiered import TieredStore  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+LONG = 4096
+OLD_STALL_S = 30.0  # what the same load cost before deadlines: Mooncake's own give-up
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("cluster-deadline"))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, cluster):
+    model = make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+    pool = Engines(model, tmp_path_factory.mktemp("engine-logs"))
+    yield pool
+    pool.close()
+
+
+def engine(engines, cluster, name):
+    return engines.get(name, cluster.transfer_config(name, tiers=("dram",)))
+
+
+def in_pool(cluster, prompt) -> bool:
+    """Whether every full chunk of `prompt` is in the pool (a lender saves after it answers)."""
+    pol = cluster.policy("probe", tiers=("dram",))
+    keys = chunk_keys(prompt, pol)
+    with TieredStore(policy_from_dict(pol), node_id="probe", mover=False, lend=False,
+                     start_master=False) as store:
+        return store.lookup(keys, observe=False).hit_blocks == len(keys)
+
+
+def ttft(eng, prompt):
+    """(output, seconds) of a one-token request: its time to first token."""
+    outs, elapsed = eng.generate([prompt], 1)
+    return outs[0], elapsed
+
+
+def test_a_stalled_lender_costs_the_deadline_then_a_recompute_not_a_hit(engines, cluster):
+    a, b = engine(engines, cluster, "a"), engine(engines, cluster, "b")
+    # b learns its own prefill cost (a few seconds of serving) and the pool's read rate from
+    # real work first, as any engine that has served a while has.
+    for seed in range(10, 16):
+        ttft(b, random_prompt(seed, 1024 + 512 * (seed % 4)))
+    for seed in (1, 2):
+        warm = random_prompt(seed, LONG)
+        ttft(a, warm)
+        wait_for(lambda: in_pool(cluster, warm), 30, "a's saves of the prompt")
+        hit, _ = ttft(b, warm)
+        assert hit.kv_transfer_params["kvtier"]["hit_tokens"].get("dram", 0) > 0
+    cold = statistics.median(ttft(b, random_prompt(seed, LONG))[1] for seed in (3, 4, 5))
+    prompt = random_prompt(6, LONG)
+    ttft(a, prompt)
+    wait_for(lambda: in_pool(cluster, prompt), 30, "a's saves of the prompt")
+    os.kill(a.pid, signal.SIGSTOP)  # its blocks lie in its segment, and it answers nothing
+    try:
+        out, stalled = ttft(b, prompt)
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    kv = out.kv_transfer_params["kvtier"]
+    # Nothing of the promised hit landed: it counts as recomputed, not as a hit.
+    assert kv["hit_tokens"] == {}
+    assert kv["recomputed_tokens"] >= 0.9 * full_block_tokens(prompt)
+    assert out.token_ids == engines.baseline(prompt, 1).token_ids
+    deadline_s = max(kv["load_deadlines_ms"]) / 1e3
+    assert deadline_s < cold  # waiting can cost at most what recomputing saves
+    assert stalled <= 1.2 * (deadline_s + cold), \
+        f"TTFT {stalled:.2f}s with a stalled lender; deadline {deadline_s:.2f}s, cold {cold:.2f}s"
+    assert stalled < OLD_STALL_S

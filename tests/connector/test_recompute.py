@@ -1,0 +1,89 @@
+"""The recompute model and the load plan: what a hit is worth loading, and by when."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvtier.connector.recompute import (MARGIN, MIN_DEADLINE_S, MIN_SHARE, SLACK, RecomputeModel,
+                                        plan_load)
+
+CHUNK = 256
+
+
+def engine_steps(model: RecomputeModel, a: float, b: float, c: float, n: int = 64,
+                 seed: int = 0, noise: float = 0.05) -> None:
+    """Feed `model` n steps of an engine whose forward costs a + b*N + c*A, with noise."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        work = [(rng.choice([1, 1, 1, 512, 2048, 4096]), rng.randrange(0, 30000))
+                for _ in range(rng.randrange(1, 4))]
+        tokens, attn = RecomputeModel.step_features(work)
+        model.observe(tokens, attn, (a + b * tokens + c * attn) * rng.uniform(1 - noise,
+                                                                             1 + noise))
+
+
+def test_the_model_learns_an_engine_it_was_never_told_about():
+    truth = (0.004, 40e-6, 1.5e-9)  # 4 ms a forward, 25K tokens/s, attention over context
+    model = RecomputeModel(prior_tokens_per_s=2000, max_batch_tokens=8192)
+    assert model.predict(8192) == pytest.approx(0.002 + 8192 / 2000)  # the slow prior
+    engine_steps(model, *truth)
+    assert model.fitted
+    for tokens, ctx in ((512, 0), (8192, 0), (8192, 20000)):
+        want = truth[0] + truth[1] * tokens + truth[2] * tokens * (ctx + tokens / 2)
+        assert model.predict(tokens, ctx) == pytest.approx(want, rel=0.15)
+
+
+def test_chunked_prefill_pays_a_forward_per_batch():
+    model = RecomputeModel(max_batch_tokens=2048)
+    engine_steps(model, 0.05, 10e-6, 0.0)
+    one, four = model.predict(2048), model.predict(8192)
+    assert four == pytest.approx(4 * one, rel=0.1)  # four forwards of 2048
+
+
+def test_a_fit_never_goes_negative_on_odd_steps():
+    model = RecomputeModel()
+    for i in range(40):  # decode-only steps: nothing to learn of attention or per-token cost
+        model.observe(1, 1000.0 * i, 0.003)
+    assert model.predict(4096) > 0 and model.predict(4096, 50000) >= model.predict(4096)
+
+
+def fitted(a=0.004, b=40e-6, c=0.0) -> RecomputeModel:
+    model = RecomputeModel()
+    engine_steps(model, a, b, c, noise=0.0)
+    return model
+
+
+def rate(per_chunk_s: float, call_s: float = 0.001, measured: bool = True):
+    return lambda tiers: (call_s + per_chunk_s * len(tiers), measured) if tiers else (0.0, True)
+
+
+def test_a_fast_tier_is_loaded_whole_with_a_deadline_a_few_times_its_load():
+    model = fitted()
+    plan = plan_load(["dram"] * 64, CHUNK, 0, rate(0.0001), model)
+    assert plan.chunks == 64
+    saves = model.predict(64 * CHUNK)
+    assert plan.deadline_s == pytest.approx(
+        min(saves * (1 - MARGIN), max(MIN_DEADLINE_S, SLACK * plan.expected_s,
+                                      MIN_SHARE * saves)))
+    assert plan.deadline_s < saves  # never longer than the recompute it saves
+
+
+def test_a_tier_slower_than_prefill_is_recomputed_and_a_mixed_hit_is_cut_where_it_slows():
+    model = fitted()
+    per_token = model.predict(64 * CHUNK) / (64 * CHUNK)
+    slow = per_token * CHUNK * 3  # three times slower than recomputing a chunk
+    assert plan_load(["shared"] * 16, CHUNK, 0, rate(slow), model).chunks == 0
+
+    def mixed(tiers):
+        t = sum(0.00005 if x == "dram" else slow for x in tiers)
+        return (t, True)
+    plan = plan_load(["dram"] * 20 + ["shared"] * 10, CHUNK, 0, mixed, model)
+    assert plan.chunks == 20  # load the dram prefix, recompute the slow tail
+
+
+def test_a_load_never_timed_gets_the_whole_recompute_time():
+    model = fitted()
+    plan = plan_load(["dram"] * 64, CHUNK, 0, rate(0.0001, measured=False), model)
+    assert plan.deadline_s == pytest.approx(model.predict(64 * CHUNK) * (1 - MARGIN))

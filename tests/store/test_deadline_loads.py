@@ -1,0 +1,88 @@
+"""Loads that return by their deadline, and the read rates that set it (`store.deadline`,
+`store.rates`). The tier here is a function that blocks on an event, standing in for a
+transfer from a stalled lender (the real one is in tests/connector/test_deadline.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from kvtier.store.deadline import STUCK_MAX, DeadlineLoads
+from kvtier.store.rates import ALPHA, OUTLIER_X, LoadRates
+from kvtier.tiers.base import MISS
+
+
+class Rows:
+    """An index stand-in for `read_rates`: the deadline tests never publish rates."""
+
+    def open_table(self, name):
+        return False
+
+
+def loads(fn) -> DeadlineLoads:
+    return DeadlineLoads(fn, LoadRates({"dram": "mooncake"}), Rows())
+
+
+def test_a_load_that_stalls_returns_at_its_deadline_and_hands_back_the_transfer():
+    release = threading.Event()
+    stuck_tids = []
+
+    def load(keys, outs, where):
+        if "late" in keys[0]:
+            stuck_tids.append(threading.get_native_id())
+            release.wait(10)
+        return [100] * len(keys)
+
+    d = loads(load)
+    keys = [f"k{i}" for i in range(4)] + [f"late{i}" for i in range(4)]
+    t0 = time.monotonic()
+    out = d.load_within(keys, [None] * 8, None, t0 + 0.2, parts=2)
+    took = time.monotonic() - t0
+    assert 0.19 <= took < 1.0
+    assert out.lengths == [100] * 4 + [MISS] * 4  # what arrived counts: the first run
+    assert out.late == 4 and len(out.pending) == 1 and not out.pending[0].done()
+    # the thread left behind runs at the least CPU priority until its call returns
+    assert os.getpriority(os.PRIO_PROCESS, stuck_tids[0]) == 19
+    release.set()
+    assert out.pending[0].result(5) == [100] * 4
+
+
+def test_too_many_stuck_transfers_fail_later_loads_at_once():
+    release = threading.Event()
+    d = loads(lambda keys, outs, where: release.wait(10) and [1] * len(keys))
+    try:
+        for _ in range(STUCK_MAX):
+            d.load_within(["a"], [None], None, time.monotonic() + 0.01)
+        t0 = time.monotonic()
+        out = d.load_within(["b"], [None], None, time.monotonic() + 5)
+        assert time.monotonic() - t0 < 0.1 and out.lengths == [MISS] and out.late == 1
+    finally:
+        release.set()
+
+
+def test_a_tier_error_reaches_the_caller_within_the_deadline():
+    def load(keys, outs, where):
+        raise ValueError("out buffer too small")
+    with pytest.raises(ValueError, match="too small"):
+        loads(load).load_within(["a"], [None], None, time.monotonic() + 1)
+
+
+def test_rates_learn_a_tier_and_a_stall_moves_them_only_a_bounded_step():
+    r = LoadRates({"dram": "mooncake", "shared": "sharedfs"})
+    assert not r.measured("dram")
+    for _ in range(40):  # 2 GB/s and 1 ms a call, as measured
+        for n in (1 << 20, 16 << 20):
+            r.observe("dram", n, 0.001 + n / 2e9)
+    assert r.measured("dram")
+    assert r.predict("dram", 8 << 20) == pytest.approx(0.001 + (8 << 20) / 2e9, rel=0.25)
+    before = r.predict("dram", 8 << 20)
+    r.observe("dram", 8 << 20, 30.0)  # one stalled call
+    assert r.predict("dram", 8 << 20) <= before * (1 + ALPHA * (OUTLIER_X - 1)) * 1.01
+    # a process that reads nothing takes the node's, from the one that measured most
+    other = LoadRates({"dram": "mooncake"})
+    other.adopt([{"dram": {"s_per_byte": 1e-9, "call_s": 0.002, "seen": 3}}, r.rows()])
+    assert other.measured("dram")
+    assert other.predict("dram", 8 << 20) == pytest.approx(r.predict("dram", 8 << 20))
