@@ -31,9 +31,9 @@ def main() -> None:
         code = app(standalone_mode=False)
         if isinstance(code, int) and code:
             sys.exit(code)
-    except ConfigError as e:
+    except ConfigError as e:  # 3: invalid configuration; 2 stays click's usage errors
         print(f"kvtier: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(3)
     except KVTierError as e:
         print(f"kvtier: {e}", file=sys.stderr)
         sys.exit(1)

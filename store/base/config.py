@@ -46,6 +46,19 @@ TierName = Annotated[str, _matching(r"[a-z][a-z0-9_-]{0,31}",
                                     "a lowercase name like 'dram' or 'nvme0' (a-z, 0-9, _ or -)")]
 Tenant = Annotated[str, _matching(r"[A-Za-z0-9_.-]{1,64}", "letters, digits, '.', '_' or '-'")]
 Rate = Annotated[float, BeforeValidator(parse_rate)]
+
+
+def _file_mode(v: object) -> object:
+    """`0o600`, `600` or `0600` (as `config show` prints it, or an octal string) -> int."""
+    if isinstance(v, str):
+        text = v.strip().lower().removeprefix("0o")
+        if not text or any(ch not in "01234567" for ch in text):
+            raise ValueError(f"expected an octal file mode like 0o600, got {v!r}")
+        return int(text, 8)
+    return v
+
+
+FileMode = Annotated[int, BeforeValidator(_file_mode)]
 _FROZEN = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
 
@@ -210,7 +223,7 @@ class SharedFSTierConfig(BaseModel):
     path: Path
     capacity_bytes: Size = Field(alias="capacity", gt=0)
     fsync: bool = True
-    file_mode: int = Field(default=0o600, ge=0, le=0o777)
+    file_mode: FileMode = Field(default=0o600, ge=0, le=0o777)
     stale_temp_after_s: float = Field(default=3600.0, gt=0)
     eviction: EvictionConfig | None = None
 
@@ -289,7 +302,8 @@ class Policy(BaseModel):
         raise KeyError(f"no tier {name!r}; known: {', '.join(t.name for t in self.tiers)}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved policy as plain data (sizes in bytes, paths as strings)."""
+        """The resolved policy as plain data under the attribute names (sizes in bytes,
+        paths as strings); `config_dump.policy_as_written` gives the file's keys."""
         return self.model_dump(mode="json", by_alias=False)
 
 
@@ -355,7 +369,10 @@ def policy_from_dict(data: dict[str, Any], source: str = "<inline policy>",
         raise ConfigError(f"{source}: expected a mapping of policy fields, got "
                           f"{type(data).__name__}")
     data = dict(data)
-    data.setdefault("index", {"path": str(kvtier_home() / "index")})
+    index = data.get("index")
+    if index is None or isinstance(index, dict) and "path" not in index:
+        # The default applies to a section that sets only sizes as to no section at all.
+        data["index"] = {**(index or {}), "path": str(kvtier_home() / "index")}
     try:
         data = _resolve_paths(data, base_dir)
         policy = Policy.model_validate(data)
@@ -367,7 +384,8 @@ def policy_from_dict(data: dict[str, Any], source: str = "<inline policy>",
 
 
 def _resolve_paths(data: dict[str, Any], base_dir: Path | None) -> dict[str, Any]:
-    """Expand `~` and `$VARS` and make relative paths relative to the policy file."""
+    """Expand `~` and `$VARS`, make relative paths relative to the policy file (to the
+    working directory for an inline policy), and absolute."""
 
     def fix(p: object) -> object:
         if not isinstance(p, str) or not p:
@@ -375,13 +393,13 @@ def _resolve_paths(data: dict[str, Any], base_dir: Path | None) -> dict[str, Any
         out = Path(os.path.expandvars(os.path.expanduser(p)))
         if not out.is_absolute() and base_dir is not None:
             out = base_dir / out
-        return str(out)
+        return os.path.abspath(out)
 
     index = data.get("index")
     if isinstance(index, dict) and "path" in index:
         data["index"] = {**index, "path": fix(index["path"])}
     tiers = data.get("tiers")
     if isinstance(tiers, list):
-        data["tiers"] = [{**t, "path": fix(t["path"])} if isinstance(t, dict) and "path" in t
-                         else t for t in tiers]
+        data["tiers"] = [{**t, **{k: fix(t[k]) for k in ("path", "segment_dir") if k in t}}
+                         if isinstance(t, dict) else t for t in tiers]
     return data

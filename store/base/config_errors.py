@@ -1,7 +1,8 @@
-"""Turn a pydantic `ValidationError` into kvtier's one-line config message.
+"""Turn a pydantic `ValidationError` into kvtier's config message: one line per mistake.
 
-The line reads `FILE: FIELD.PATH: what was expected, got what`, with list indices written
-`tiers[1]` and discriminated-union tags (the `kind`) removed from the path.
+Each line reads `FILE: FIELD.PATH: what was expected, got what`, with list indices written
+`tiers[1]` and discriminated-union tags (the `kind`) removed from the path. A misspelt key
+comes first (it also makes the field it meant look missing, which is listed after it).
 """
 
 from __future__ import annotations
@@ -14,19 +15,23 @@ from pydantic import BaseModel, ValidationError
 
 
 def format_validation_error(err: ValidationError, source: str, root: type[BaseModel]) -> str:
-    """The first error of `err` as one line; the count of further errors is appended."""
+    """Every error of `err`, one line each (the first the likeliest cause)."""
     errors = err.errors(include_url=False)
-    # A misspelt key also makes the field it meant "missing": report the typo, the cause.
+    # A misspelt key also makes the field it meant "missing": report the typo, the cause,
+    # and not the missing fields beside it (the typo's message lists what is expected).
+    typo_parents = {e["loc"][:-1] for e in errors if e["type"] == "extra_forbidden"}
+    errors = [e for e in errors if not (e["type"] == "missing" and e["loc"][:-1] in typo_parents)]
     errors.sort(key=lambda e: e["type"] != "extra_forbidden")
-    first = errors[0]
-    path, parent = _walk(first["loc"], root)
-    message = _message(first, parent)
-    field_error = (first.get("ctx") or {}).get("error")
-    if getattr(field_error, "path", None):
-        path = field_error.path
-    more = f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})" \
-        if len(errors) > 1 else ""
-    return f"{source}: {path or '(top level)'}: {message}{more}"
+    lines = []
+    for error in errors:
+        path, parent = _walk(error["loc"], root)
+        field_error = (error.get("ctx") or {}).get("error")
+        if getattr(field_error, "path", None):
+            path = field_error.path
+        line = f"{source}: {path or '(top level)'}: {_message(error, parent)}"
+        if line not in lines:
+            lines.append(line)
+    return "\n".join(lines)
 
 
 def _walk(loc: tuple[Any, ...], root: type[BaseModel]) -> tuple[str, type[BaseModel] | None]:

@@ -168,12 +168,115 @@ def test_cli_config_check(tmp_path):
     out = _cli("config", "check", str(good), "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["tiers"][1]["capacity_bytes"] == 4 * 2**40
+    assert data["tiers"][1]["capacity"] == 4 * 2**40  # the file's key, in bytes for scripts
+    assert out.stderr.splitlines()[-1] == f"ok {good}"  # after the free-space warnings
     bad = base(tmp_path)
     bad["tiers"][0]["capacity"] = "huge"
     out = _cli("config", "check", str(write(tmp_path, bad, "bad.yaml")))
-    assert out.returncode == 2
+    assert out.returncode == 3  # invalid; 2 is left to usage mistakes
     assert "tiers[0].capacity" in out.stderr and out.stderr.count("\n") == 1
+    assert _cli("config", "check", "--no-such-flag").returncode == 2
+
+
+def test_show_prints_the_policy_as_its_file_writes_it_and_it_loads_back(tmp_path):
+    data = base(tmp_path)
+    data["eviction"] = {"kind": "agentic", "idle_demote_after": "p90_gap"}
+    data["tiers"][2]["file_mode"] = 0o640
+    data["tiers"][1]["path"] = "disk/nvme"  # relative: printed absolute
+    src = write(tmp_path, data)
+    out = _cli("config", "show", str(src))
+    assert out.returncode == 0, out.stderr
+    shown = yaml.safe_load(out.stdout)  # stdout is the YAML alone
+    assert shown["tiers"][1]["capacity"] == "4TiB" and "capacity_bytes" not in out.stdout
+    assert shown["index"]["map_size"] == "8MiB"
+    assert shown["eviction"]["idle_demote_after"] == "p90_gap"
+    assert shown["tiers"][2]["file_mode"] == "0o640"
+    assert shown["admission"]["nvme_write_budget"] == "2TiB/day"
+    assert shown["tiers"][1]["path"] == str(tmp_path / "disk" / "nvme")
+    again = load_policy(write(tmp_path, out.stdout, "again.yaml"))
+    assert again.to_dict() == load_policy(src).to_dict()
+
+
+def test_every_mistake_of_a_policy_is_listed(tmp_path):
+    data = base(tmp_path)
+    data["tiers"][0]["capacity"] = "huge"
+    data["chunk_tokens"] = "many"
+    with pytest.raises(ConfigError) as err:
+        load_policy(write(tmp_path, data))
+    lines = str(err.value).splitlines()
+    assert len(lines) == 2 and any("tiers[0].capacity" in x for x in lines) and \
+        any("chunk_tokens" in x for x in lines)
+
+
+def test_an_index_section_with_sizes_only_keeps_the_default_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_HOME", str(tmp_path / "home"))
+    data = base(tmp_path)
+    data["index"] = {"map_size": "64MiB"}
+    policy = load_policy(write(tmp_path, data))
+    assert policy.index.path == tmp_path / "home" / "index"
+    assert policy.index.map_size_bytes == 64 << 20
+
+
+@pytest.mark.parametrize("field", ["index", "nvme", "shared", "segment_dir"])
+def test_check_refuses_a_path_that_is_a_file(tmp_path, field):
+    data = base(tmp_path)
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    where = {"index": ("index", "path"), "nvme": ("tiers", 1, "path"),
+             "shared": ("tiers", 2, "path"), "segment_dir": ("tiers", 0, "segment_dir")}[field]
+    _set(data, where, str(afile))
+    out = _cli("config", "check", str(write(tmp_path, data)))
+    assert out.returncode == 3
+    named = {"index": "index.path", "nvme": "tiers[1].path", "shared": "tiers[2].path",
+             "segment_dir": "tiers[0].segment_dir"}[field]
+    assert f"{named}: {afile} is a file, not a directory" in out.stderr
+
+
+def test_check_refuses_a_missing_parent_and_warns_of_small_disks(tmp_path):
+    data = base(tmp_path)
+    data["tiers"][1]["path"] = str(tmp_path / "not-mounted" / "nvme")
+    out = _cli("config", "check", str(write(tmp_path, data)))
+    assert out.returncode == 3 and "neither does its parent" in out.stderr
+    data = base(tmp_path)  # 50TiB of shared and 4TiB of nvme on a test machine's disk
+    out = _cli("config", "check", str(write(tmp_path, data)))
+    assert out.returncode == 0 and "warning: tiers[2].path" in out.stderr
+
+
+def transfer(**extra) -> str:
+    return json.dumps({"kv_connector": "KVTierConnector",
+                       "kv_connector_module_path": "kvtier.connector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": extra})
+
+
+@pytest.mark.parametrize("extra,block,word", [
+    ({"colour": "blue"}, 16, "kv_connector_extra_config: colour: unknown field"),
+    ({"kvtier_config": "/no/such/policy.yaml"}, 16, "no such policy file"),
+    ({"policy": {"chunk_tokens": 100, "tiers": [
+        {"name": "dram", "kind": "mooncake", "capacity": "1GiB"}]}}, 16,
+     "chunk_tokens: 100 is not a multiple of vLLM's block size 16"),
+])
+def test_check_takes_the_vllm_side_and_never_loads_vllm(tmp_path, extra, block, word):
+    code = ("import sys\nfrom kvtier.tools.cli import main\n"
+            f"sys.argv = ['kvtier', 'config', 'check', '--kv-transfer-config', {transfer(**extra)!r},"
+            f" '--block-size', '{block}']\n"
+            "try:\n    main()\nexcept SystemExit as e:\n"
+            "    assert 'vllm' not in sys.modules and 'torch' not in sys.modules\n"
+            "    raise\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env={**__import__('os').environ,
+                                          "KVTIER_HOME": str(tmp_path)})
+    assert out.returncode == 3, out.stderr
+    assert word in out.stderr and "Traceback" not in out.stderr
+
+
+def test_check_of_a_good_vllm_side_passes(tmp_path):
+    pol = write(tmp_path, base(tmp_path) | {"chunk_tokens": 256})
+    out = _cli("config", "check", "--kv-transfer-config", transfer(kvtier_config=str(pol)),
+               "--block-size", "32")
+    assert out.returncode == 0, out.stderr
+    bad = json.dumps({"kv_connector": "KVTier", "kv_connector_module_path": "kvtier"})
+    out = _cli("config", "check", str(pol), "--kv-transfer-config", bad)
+    assert out.returncode == 3 and 'set it to "KVTierConnector"' in out.stderr
 
 
 def test_kvtier_must_demote_before_the_master_evicts(tmp_path):
