@@ -12,6 +12,8 @@ __all__ = ["KVTierConnector"]
 
 def __getattr__(name: str):
     if name == "KVTierConnector":
+        from kvtier.connector.early_check import check_lookup
+        check_lookup()  # vLLM is building its config: a bad setting stops it now
         from kvtier.connector.connector import KVTierConnector
         return KVTierConnector
     raise AttributeError(f"module 'kvtier.connector' has no attribute {name!r}")

@@ -190,3 +190,25 @@ def test_a_server_stopped_with_a_drain_time_writes_what_it_queued(servers):
     assert "kvtier: worker stopped in" in a.log_path.read_text(), a.log_tail()
     keys = chunk_keys(prompt, cluster.policy("a"))[: (len(prompt) - 1) // CHUNK]
     assert len(files_of(cluster.shared, keys)) == len(keys)  # down to the shared tier
+
+
+@pytest.mark.parametrize("extra,word", [
+    ({"colour": "blue"}, "kv_connector_extra_config: colour: unknown field"),
+    ({"kvtier_config": "/no/such/kvtier-policy.yaml"},
+     "kv_connector_extra_config: kvtier_config: /no/such/kvtier-policy.yaml: no such policy"),
+])
+def test_a_bad_connector_setting_stops_the_server_before_it_loads_the_model(tmp_path, extra,
+                                                                             word):
+    model = make_tiny_model(tmp_path / "tiny-llama")
+    transfer = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
+                "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    server = Server(model, transfer, tmp_path / "server.log")
+    try:
+        server.proc.wait(timeout=START_TIMEOUT_S)
+    finally:
+        server.close()
+    log = server.log_path.read_text(errors="replace")
+    assert server.proc.returncode == 3, log[-3000:]
+    assert log.rstrip().splitlines()[-1].startswith(f"kvtier: {word}")
+    assert "Traceback" not in log and "Starting to load model" not in log
+    assert log.count(word) == 1  # said once, not once per process
