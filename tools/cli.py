@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import typer
+import typer.core
 
 from kvtier.store.base.errors import ConfigError, KVTierError
 from kvtier.tools.commands import bench as cli_bench
@@ -13,7 +14,23 @@ from kvtier.tools.commands import inspect as cli_inspect
 from kvtier.tools.commands import master as cli_master
 from kvtier.tools.commands import replay as cli_replay
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# Help in click's plain form (it wraps to the terminal), with click's metavars: typer shows
+# `<str>`, `<int range>` and `<bool>` beside every option, noise a user must read past.
+_METAVARS = {"str": "TEXT", "int": "N", "int range": "N", "float": "X", "float range": "X",
+             "path": "PATH", "bool": ""}
+_display_type = getattr(typer.core.TyperOption, "display_type", None)
+
+
+def _plain_metavar(self, ctx) -> str:
+    label = _display_type(self, ctx).strip("<>")
+    return _METAVARS.get(label, label.upper())
+
+
+if _display_type is not None:
+    typer.core.TyperOption.display_type = _plain_metavar
+    typer.core.TyperArgument.display_type = _plain_metavar
+
+app = typer.Typer(rich_markup_mode=None, add_completion=False, no_args_is_help=True,
                   help="kvtier: a tiered KV-cache store for agentic LLM serving.")
 app.add_typer(cli_config.app, name="config")
 app.add_typer(cli_inspect.app, name="inspect")

@@ -252,7 +252,7 @@ def io_thread_check(args) -> dict:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="kvtier bench gather", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--heads", type=int, default=8)

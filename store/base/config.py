@@ -101,6 +101,14 @@ class MasterConfig(BaseModel):
     eviction_high_watermark_ratio: float = Field(default=0.95, gt=0, le=1)
     eviction_ratio: float = Field(default=0.05, gt=0, lt=1)
     extra_flags: dict[str, str] = Field(default_factory=dict)
+    # Where an embedded master and a kvtier-started pool service keep their logs, locks and
+    # the service's segment name (a policy puts it beside its index: `<index.path>.run`).
+    run_dir: Path | None = None
+
+    @property
+    def runtime_dir(self) -> Path:
+        """`run_dir`, or `$KVTIER_HOME` for a master config made outside a policy."""
+        return self.run_dir if self.run_dir is not None else kvtier_home()
 
     @property
     def host(self) -> str:
@@ -375,12 +383,23 @@ def policy_from_dict(data: dict[str, Any], source: str = "<inline policy>",
         data["index"] = {**(index or {}), "path": str(kvtier_home() / "index")}
     try:
         data = _resolve_paths(data, base_dir)
+        data = _run_dir_beside_index(data)
         policy = Policy.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, source, Policy)) from None
     except _FieldError as e:
         raise ConfigError(f"{source}: {e.path}: {e}") from None
     return policy.model_copy(update={"source": source})
+
+
+def _run_dir_beside_index(data: dict[str, Any]) -> dict[str, Any]:
+    """Runtime files of the policy's master and pool service go beside its index, so a
+    policy whose paths share one directory keeps every file kvtier writes there."""
+    master = data.get("master") if isinstance(data.get("master"), dict) else {}
+    index = data.get("index")
+    if master.get("run_dir") or not (isinstance(index, dict) and index.get("path")):
+        return data
+    return {**data, "master": {**master, "run_dir": f"{index['path'].rstrip('/')}.run"}}
 
 
 def _resolve_paths(data: dict[str, Any], base_dir: Path | None) -> dict[str, Any]:
@@ -398,6 +417,9 @@ def _resolve_paths(data: dict[str, Any], base_dir: Path | None) -> dict[str, Any
     index = data.get("index")
     if isinstance(index, dict) and "path" in index:
         data["index"] = {**index, "path": fix(index["path"])}
+    master = data.get("master")
+    if isinstance(master, dict) and master.get("run_dir"):
+        data["master"] = {**master, "run_dir": fix(master["run_dir"])}
     tiers = data.get("tiers")
     if isinstance(tiers, list):
         data["tiers"] = [{**t, **{k: fix(t[k]) for k in ("path", "segment_dir") if k in t}}

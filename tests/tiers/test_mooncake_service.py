@@ -61,8 +61,9 @@ def test_first_tier_starts_the_service_and_the_next_joins_it(tmp_path, mooncake_
         outs = [bytearray(len(f)) for f in frames]
         assert b.get(keys, outs) == [100_000] * 4 and outs == frames
         # Puts land in the service's segment, which the master counts and the tier reports.
-        segment = service_segment(service_log(a.cfg))
-        assert segment and a.client.segment == segment == read_segment(address)
+        run = a.client.master.runtime_dir
+        segment = service_segment(service_log(a.cfg, run))
+        assert segment and a.client.segment == segment == read_segment(address, run)
         text = urllib.request.urlopen(mooncake_master.metrics_url, timeout=5).read().decode()
         used = re.search(rf'segment_allocated_bytes\{{segment="{re.escape(segment)}"\}} (\S+)',
                          text)
@@ -72,7 +73,7 @@ def test_first_tier_starts_the_service_and_the_next_joins_it(tmp_path, mooncake_
         b.close()
         a.close()
         a.client.owned_service.stop()
-    assert read_segment(address) == ""  # the stopped service withdrew its segment's name
+    assert read_segment(address, run) == ""  # the stopped service withdrew its segment's name
 
 
 def test_shared_memory_is_zero_copy_and_foreign_memory_is_staged(tmp_path, mooncake_master):

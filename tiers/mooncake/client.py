@@ -261,7 +261,7 @@ class MooncakeClient:
         if not self.cfg.service:
             return store.get_hostname() if self.lend else ""
         from kvtier.tiers.mooncake.service import read_segment
-        return read_segment(self.cfg.service)
+        return read_segment(self.cfg.service, self.master.runtime_dir)
 
     def _replicate_config(self) -> Any:
         """Replication and soft pin from the policy, on whatever this API version offers."""

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvtier.store.base.config import MasterConfig, kvtier_home
+from kvtier.store.base.config import MasterConfig
 from kvtier.store.base.errors import MasterError
 from kvtier.store.base.index import make_private_dirs
 
@@ -104,6 +104,7 @@ class ChildProcess:
 
     proc: subprocess.Popen | None = None
     _log = None
+    detached = False  # True: outlives its starter (`kvtier master --detach`)
 
     def start(self) -> "ChildProcess":
         raise NotImplementedError
@@ -115,7 +116,7 @@ class ChildProcess:
         try:
             self.proc = subprocess.Popen(command, stdout=log, stderr=log,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=die_with_parent)
+                                         preexec_fn=None if self.detached else die_with_parent)
         except OSError as e:
             raise MasterError(f"cannot run {binary}: {e.strerror}; reinstall: {INSTALL_HINT}"
                               ) from None
@@ -237,7 +238,7 @@ def ensure_master(cfg: MasterConfig, lock_dir: Path | None = None) -> EmbeddedMa
     if not cfg.embedded:
         raise MasterError(f"no Mooncake master answers at {cfg.address}; start one "
                           "(`kvtier master`) or set master.embedded: true")
-    lock_dir = lock_dir or kvtier_home()
+    lock_dir = lock_dir or cfg.runtime_dir
     return start_unless_answering(
         cfg.address, lock_dir / f"master-{cfg.port}.lock",
         lambda: EmbeddedMaster(cfg, log_path=lock_dir / f"master-{cfg.port}.log").start())

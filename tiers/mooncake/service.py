@@ -20,11 +20,10 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-from kvtier.store.base.config import MasterConfig, MooncakeTierConfig, kvtier_home
+from kvtier.store.base.config import MasterConfig, MooncakeTierConfig
 from kvtier.store.base.errors import MasterError
 from kvtier.store.base.index import make_private_dirs
 from kvtier.tiers.mooncake.master import (ChildProcess, check_shared_libraries,
@@ -49,7 +48,7 @@ class PoolService(ChildProcess):
         self.master = master
         self.address = cfg.service
         # The default place is where joining clients look for the service's segment name.
-        self.log_path = log_path or service_log(cfg)
+        self.log_path = log_path or service_log(cfg, master.runtime_dir)
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -96,35 +95,36 @@ class PoolService(ChildProcess):
         """Stop the service and withdraw its segment name (left behind, one small file per
         port would pile up in the temp dir, and name a segment that no longer exists)."""
         super().stop(timeout_s)
-        segment_file(self.address).unlink(missing_ok=True)
+        segment_file(self.address, self.master.runtime_dir).unlink(missing_ok=True)
 
     def _publish_segment(self) -> None:
         """Write the segment's name where every process on the node finds it by port."""
         segment = service_segment(self.log_path)
         if segment is None:
             return  # an unknown log format: clients place without preferring it
-        path = segment_file(self.address)
+        path = segment_file(self.address, self.master.runtime_dir)
         tmp = path.with_name(path.name + f".{os.getpid()}")
         with private_file(tmp, "w") as f:
             f.write(segment)
         os.replace(tmp, path)
 
 
-def service_log(cfg: MooncakeTierConfig, home: Path | None = None) -> Path:
-    """Where a kvtier-started service for `cfg.service` writes its log on this node."""
-    return (home or kvtier_home()) / f"pool-{cfg.service.rsplit(':', 1)[1]}.log"
+def service_log(cfg: MooncakeTierConfig, run_dir: Path) -> Path:
+    """Where a kvtier-started service for `cfg.service` writes its log (the policy's run
+    dir, `master.run_dir`)."""
+    return run_dir / f"pool-{cfg.service.rsplit(':', 1)[1]}.log"
 
 
-def segment_file(address: str) -> Path:
-    """Where the service on `address` names its segment (one per port on a machine)."""
-    return Path(tempfile.gettempdir()) / f"kvtier-pool-{address.replace(':', '-')}.segment"
+def segment_file(address: str, run_dir: Path) -> Path:
+    """Where the service on `address` names its segment (one per port in a run dir)."""
+    return run_dir / f"pool-{address.replace(':', '-')}.segment"
 
 
-def read_segment(address: str) -> str:
+def read_segment(address: str, run_dir: Path) -> str:
     """The segment of the service on `address` as its starter published it, or "" if none
     did (a service started by hand): clients then place objects without preferring it."""
     try:
-        return segment_file(address).read_text().strip()
+        return segment_file(address, run_dir).read_text().strip()
     except OSError:
         return ""
 
@@ -152,7 +152,7 @@ def ensure_service(cfg: MooncakeTierConfig, master: MasterConfig,
     if not cfg.service_embedded:
         raise MasterError(f"no pool service answers at {cfg.service}; start one (`kvtier "
                           "pool-service`) or set service_embedded: true")
-    home = home or kvtier_home()
+    home = home or master.runtime_dir
     port = cfg.service.rsplit(":", 1)[1]
     return start_unless_answering(
         cfg.service, home / f"pool-{port}.lock",

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from kvtier.store.base.units import parse_size
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(rich_markup_mode=None, add_completion=False, no_args_is_help=True,
                   help="Benchmarks against the physical references (fio, raw Mooncake).")
 
 

@@ -77,9 +77,11 @@ def render(console: Console, doc: dict, stat: str, title: str) -> None:
 
 def gather(ctx: typer.Context) -> None:
     """Paged-KV gather/scatter through staging vs the bulk copy ceiling (CUDA or CPU);
-    options as `python -m kvtier.tools.bench.gather --help`."""
+    --help lists its options."""
     from kvtier.tools.bench import gather as bench_gather
-    bench_gather.main(ctx.args)
+    bench_gather.main(ctx.args)  # argparse: its own --help lists every option
 
 
-GATHER_SETTINGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+# Every argument, --help included, goes to the measurement's own argparse parser.
+GATHER_SETTINGS = {"allow_extra_args": True, "ignore_unknown_options": True,
+                   "help_option_names": []}

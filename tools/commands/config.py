@@ -25,7 +25,7 @@ from kvtier.store.base.config_dump import policy_as_written
 from kvtier.store.base.errors import ConfigError
 from kvtier.store.check.preflight import preflight
 
-app = typer.Typer(no_args_is_help=True, help="Validate and print tier policies.")
+app = typer.Typer(rich_markup_mode=None, no_args_is_help=True, help="Validate and print tier policies.")
 INVALID = 3
 VLLM_DEFAULT_BLOCK_SIZE = 16  # vLLM's CacheConfig default; MLA on the CPU build uses 16 too
 

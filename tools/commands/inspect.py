@@ -25,7 +25,7 @@ from kvtier.store.check.summary import summarize
 from kvtier.store.sessions.persist import read_sessions
 from kvtier.tiers.base import NOTICE_KINDS
 
-app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
+app = typer.Typer(rich_markup_mode=None, invoke_without_command=True, no_args_is_help=False,
                   help="Inspect a node's index and tiers: summary, sessions, blocks, check, gc.")
 POLICY = typer.Option(None, "--policy", "-p", help="policy YAML (default: built in)")
 JSON = typer.Option(False, "--json", help="print JSON")

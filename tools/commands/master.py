@@ -11,16 +11,36 @@ import typer
 from rich.console import Console
 
 from kvtier.store.base.config import load_policy
+from kvtier.store.base.index import make_private_dirs
 from kvtier.tiers.mooncake.master import EmbeddedMaster
 
 POLICY_OPT = typer.Option(None, "--policy", "-p", help="policy YAML (default: built in)")
 
 
 def master(policy: Optional[Path] = POLICY_OPT,
-           log: Optional[Path] = typer.Option(None, help="write the master's log here")) -> None:
-    """Run the Mooncake master with the policy's settings in the foreground (Ctrl-C stops)."""
+           log: Optional[Path] = typer.Option(None, help="write the master's log here "
+                                              "(default with --detach: the policy's run dir)"),
+           detach: bool = typer.Option(False, "--detach", help="start it in the background, "
+                                       "wait until it answers, and return; it runs until "
+                                       "stopped (kill the pid --pid-file names)"),
+           pid_file: Optional[Path] = typer.Option(None, "--pid-file",
+                                                   help="with --detach: write its pid here")
+           ) -> None:
+    """Run the Mooncake master with the policy's settings in the foreground (Ctrl-C stops),
+    or with --detach in the background: the one master several engines of a node join,
+    which none of them owns (an embedded master lives and dies with its first user)."""
     cfg = load_policy(policy).master
     console = Console()
+    if detach:
+        m = EmbeddedMaster(cfg, log_path=log or cfg.runtime_dir / f"master-{cfg.port}.log")
+        make_private_dirs(m.log_path.parent)
+        m.detached = True
+        m.start()
+        if pid_file is not None:
+            pid_file.write_text(f"{m.proc.pid}\n")
+        console.print(f"mooncake_master answering on [bold]{m.address}[/bold], pid "
+                      f"{m.proc.pid}, log {m.log_path}")
+        return
     with EmbeddedMaster(cfg, log_path=log) as m:
         console.print(f"mooncake_master answering on [bold]{m.address}[/bold] "
                       f"(metrics {m.metrics_url}); Ctrl-C to stop")
