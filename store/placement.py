@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import collections
 import math
-import os
-import secrets
 import threading
 import time
 from typing import Sequence
@@ -51,10 +49,10 @@ class Placement:
         self.clock = clock
         self.index = index
         self._lock = threading.RLock()
-        # Every process of a node keeps its sessions in the one index: inferred ids carry
-        # the process's own prefix, or two processes' "s1" would overwrite each other's
-        # manifests (and gc would then take blocks of a live session for unreferenced).
-        self.sessions = SessionTracker(id_prefix=f"{os.getpid():x}.{secrets.token_hex(2)}.")
+        # Inferred session ids come from the request that starts a session, so every process
+        # and node that sees it calls it the same; processes of a node that track the same
+        # session merge its manifest in the index (`sessions.persist`), never shrink it.
+        self.sessions = SessionTracker()
         self.tiers = list(tiers)
         self.policies = {}
         for i, (tier, cfg) in enumerate(zip(self.tiers, policy.tiers)):

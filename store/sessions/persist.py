@@ -4,6 +4,11 @@
 ends, so `kvtier inspect sessions` and `inspect gc` work offline and beside running
 instances: a block no stored manifest holds is referenced by no live session on this node.
 Value layout: a JSON line (the record), then the 24-byte keys of the chain back to back.
+
+Session ids are the same wherever a session is seen (`SessionTracker`), so two processes of
+a node may write one session: a write keeps the keys of the manifest already stored that
+the new chain lacks (after it), so no process's write makes another's live blocks look
+unreferenced to `gc`; the record is the last writer's.
 """
 
 from __future__ import annotations
@@ -19,14 +24,21 @@ _KEY_BYTES = 24
 
 def write_sessions(index: Index, sessions: Iterable[tuple[str, dict, Sequence[str]]]) -> None:
     """Store (id, record, chain) for each session, in one write transaction."""
-    rows = [(str(sid).encode(), json.dumps(rec, sort_keys=True).encode() + b"\n"
-             + b"".join(key_bytes(k) for k in chain)) for sid, rec, chain in sessions]
+    rows = [(str(sid).encode(), json.dumps(rec, sort_keys=True).encode() + b"\n",
+             [key_bytes(k) for k in chain]) for sid, rec, chain in sessions]
     if not rows:
         return
 
     def go(txn) -> None:
-        for sid, value in rows:
-            txn.put("sessions", sid, value)
+        for sid, head, chain in rows:
+            old = txn.get("sessions", sid)
+            if old is not None:
+                have = set(chain)
+                tail = old.partition(b"\n")[2]
+                chain = chain + [k for k in (tail[i:i + _KEY_BYTES]
+                                             for i in range(0, len(tail), _KEY_BYTES))
+                                 if k not in have]
+            txn.put("sessions", sid, head + b"".join(chain))
 
     index.run_write(go)
 

@@ -31,6 +31,7 @@ longest idle. Pure logic on hashable keys: no I/O, no clocks (`now` comes from t
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from collections import OrderedDict
@@ -99,7 +100,9 @@ class SessionTracker(SessionPredictions):
 
     def __init__(self, config: SessionConfig = SessionConfig(), id_prefix: str = ""):
         self.config = config
-        self.id_prefix = id_prefix  # inferred ids are `<prefix>s<n>`: unique per tracker
+        # Inferred ids are `<prefix>s<digest of the first request's last key>`: the same on
+        # every node that sees that request first, so nodes agree on what a session is called.
+        self.id_prefix = id_prefix
         self.model = GapModel(config.prior)
         self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()  # least recent first
         self._refs: dict[Hashable, int] = {}
@@ -110,6 +113,20 @@ class SessionTracker(SessionPredictions):
         self._log: list[Hashable] = []   # sessions in the order their state changed
         self._log_base = 0               # position of _log[0] in the whole history
 
+    def _inferred_id(self, keys: list) -> str:
+        """A new session's id, from the request that starts it (its last key names its whole
+        prefix); a second session started by the same request gets `-2`, and so on."""
+        if keys:
+            digest = hashlib.blake2b(repr(keys[-1]).encode(), digest_size=6).hexdigest()
+            base = f"{self.id_prefix}s{digest}"
+        else:
+            base = f"{self.id_prefix}s{next(self._ids)}"
+        sid, n = base, 1
+        while sid in self._sessions:
+            n += 1
+            sid = f"{base}-{n}"
+        return sid
+
     # ---- requests ---------------------------------------------------------------------------
     def observe(self, keys: Sequence[Hashable], now: float, session: Hashable | None = None,
                 expected_gap_s: float | None = None) -> Turn:
@@ -118,7 +135,7 @@ class SessionTracker(SessionPredictions):
         s = self._sessions.get(session) if session is not None else self._infer(keys)
         new = s is None
         if new:
-            s = _Session(session if session is not None else f"{self.id_prefix}s{next(self._ids)}", now)
+            s = _Session(session if session is not None else self._inferred_id(keys), now)
             self._sessions[s.sid] = s
             self._force_out(now)
         else:

@@ -97,8 +97,13 @@ class Cluster:
         data.update(over)
         return data
 
-    def transfer_config(self, node: str, **policy_over) -> dict:
-        return kvtier_transfer_config(self.policy(node, **policy_over), node_id=node)
+    def transfer_config(self, node: str, load_deadline: bool = False, **policy_over) -> dict:
+        """The engine's kv-transfer-config. Loads without deadlines unless asked: a tiny
+        model on a busy CI host recomputes a hit about as fast as it loads it, and the tests
+        that assert where each token came from would then measure the plan, which
+        `test_deadline` and `test_recompute` check on their own."""
+        return kvtier_transfer_config(self.policy(node, **policy_over), node_id=node,
+                                      load_deadline=load_deadline)
 
     def close(self) -> None:
         if self.master is not None:

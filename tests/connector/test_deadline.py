@@ -43,7 +43,7 @@ def engines(tmp_path_factory, cluster):
 
 
 def engine(engines, cluster, name):
-    return engines.get(name, cluster.transfer_config(name, tiers=("dram",)))
+    return engines.get(name, cluster.transfer_config(name, load_deadline=True, tiers=("dram",)))
 
 
 def in_pool(cluster, prompt) -> bool:

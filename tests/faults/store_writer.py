@@ -9,7 +9,7 @@ JSON line per step so the parent knows how far it got before it kills the proces
 - `{"ready": pid}` once the store is open (its index recovered),
 - `{"saved": request, "keys": [...]}` after `save` returned for those keys,
 - `{"read": request, "hits": n, "wrong": [...]}` after loading an earlier request,
-- `{"done": mover stats, "sessions": live sessions, "counters": per tier}` after a clean
+- `{"done": mover stats, "sessions": ids of the live sessions, "counters": per tier}` after a clean
   close (only when not killed first).
 With `"forever": true` it keeps going until it is killed; with `"until_released": true`,
 until the parent closes its stdin (then it finishes cleanly); with `"hold": true` it waits
@@ -64,7 +64,7 @@ def run(job: dict) -> None:
                     store.save(okeys, [frame_for(k, size) for k in okeys])
                 say({"read": old, "hits": sum(hits), "wrong": wrong})
             r += 1
-        sessions = len(store.placement.session_rows())
+        sessions = sorted(store.placement.session_rows())
         counters = {t: store.by_name[t].counters() for t in store.by_name}
     finally:
         store.close()  # drains the mover's queue: every saved block is persisted

@@ -113,7 +113,9 @@ def test_four_writers_beside_inspect_check_and_gc(tmp_path, rounds):
         ready = {(e.key, e.tier) for e in ix.scan(states=(READY,))}
     finally:
         ix.close()
-    assert len(stored) >= sum(m["sessions"] for m in done), "session manifests were lost"
+    # writers that saw a session's first request call it the same; the union is stored
+    live = {sid for m in done for sid in m["sessions"]}
+    assert live <= stored, f"session manifests were lost: {sorted(live - stored)[:5]}"
     with TieredStore(policy, node_id="verifier", mover=False) as store:
         for tier in ("nvme", "shared"):
             keys = sorted(k for k, t in ready if t == tier)

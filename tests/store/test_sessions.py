@@ -187,3 +187,27 @@ def test_common_prefix_by_binary_search():
     assert common_prefix([1, 2, 3, 4], [1, 2, 9]) == 2
     assert common_prefix([], [1]) == 0
     assert common_prefix([1, 2], [1, 2, 3]) == 2
+
+
+def test_an_inferred_session_id_is_the_same_wherever_its_first_request_is_seen():
+    a, b = SessionTracker(), SessionTracker()
+    first = turn(a, ["sys", "p", "u1"], 0.0)
+    assert turn(b, ["sys", "p", "u1"], 7.0).session == first.session
+    other = turn(a, ["sys", "p", "u2"], 10.0)
+    assert other.session != first.session
+
+
+def test_two_writers_of_one_session_keep_both_chains_in_its_manifest(tmp_path):
+    from kvtier.store.base.index import Index
+    from kvtier.store.sessions.persist import read_sessions, write_sessions
+
+    keys = [f"{i:048x}" for i in range(6)]
+    ix = Index(tmp_path / "index")
+    try:
+        write_sessions(ix, [("s1", {"turns": 1}, keys[:4])])
+        write_sessions(ix, [("s1", {"turns": 2}, keys[:2] + keys[4:])])
+        (sid, rec, chain), = list(read_sessions(ix))
+    finally:
+        ix.close()
+    assert (sid, rec) == ("s1", {"turns": 2})
+    assert chain[:4] == keys[:2] + keys[4:] and sorted(chain) == keys
