@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import collections
 import math
+import os
+import socket
 import threading
 import time
 from typing import Sequence
@@ -263,6 +265,8 @@ class Placement:
         row["blocks_per_tier"] = {t.name: sum(1 for k in chain if k in self.policies[t.name])
                                   for t in self.tiers}
         row["updated"] = now
+        # who wrote it: `inspect sessions` calls a session no running process tracks stale
+        row["writer"] = {"pid": os.getpid(), "host": socket.gethostname()}
         return row
 
     def session_rows(self) -> dict[str, dict]:

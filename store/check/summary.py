@@ -13,12 +13,20 @@ from kvtier.store.base.index_record import PENDING, READY
 from kvtier.store.counters import SUMMED, read_counters
 
 
-def summarize(ix: Index, pol: Policy | None = None) -> dict:
-    """Per-tier READY/PENDING blocks and bytes (with capacity), sessions, index health."""
+def summarize(ix: Index | None, pol: Policy | None = None) -> dict:
+    """Per-tier READY/PENDING blocks and bytes (with capacity), sessions, index health.
+    `ix` None is a node with no index yet: its tiers, all empty."""
     tiers: dict[str, dict[str, int]] = {}
     if pol is not None:
         for t in pol.tiers:
             tiers[t.name] = {"kind": t.kind, "capacity_bytes": t.capacity_bytes}
+    if ix is None:
+        for t in tiers.values():
+            t.update(dict.fromkeys(("blocks", "bytes", "pending", *SUMMED), 0))
+        return {"index": str(pol.index.path) if pol else None, "fresh": True, "tiers": tiers,
+                "sessions": 0,
+                "health": {"pending": 0, "map_used_bytes": 0, "stats_consistent": True,
+                           "map_size_bytes": pol.index.map_size_bytes if pol else 0}}
     for e in ix.scan():
         t = tiers.setdefault(e.tier, {})
         for k in ("blocks", "bytes", "pending"):
@@ -36,7 +44,7 @@ def summarize(ix: Index, pol: Policy | None = None) -> dict:
     health = ix.health()
     consistent = all(ix.tier_usage(name) == (t["blocks"], t["bytes"])
                      for name, t in tiers.items())
-    return {"index": str(ix.path), "tiers": tiers, "sessions": health["sessions"],
+    return {"index": str(ix.path), "fresh": False, "tiers": tiers, "sessions": health["sessions"],
             "health": {"pending": health["pending"], "map_size_bytes": health["map_size_bytes"],
                        "map_used_bytes": health["map_used_bytes"],
                        "stats_consistent": consistent}}
