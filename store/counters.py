@@ -37,7 +37,9 @@ def write_counters(index: Index, node_id: str, usage: dict[str, dict[str, int]],
 
     def go(txn) -> None:
         for tier, counts in usage.items():
-            row = {k: int(counts.get(k, 0)) for k in SUMMED}
+            row: dict = {k: int(counts.get(k, 0)) for k in SUMMED}
+            if counts.get("lenders"):  # blocks failed or late, by lender (pool tiers)
+                row["lenders"] = {str(k): int(v) for k, v in counts["lenders"].items()}
             txn.put(TABLE, (prefix + tier).encode(), json.dumps(row).encode())
         if rates:
             txn.put(RATES, prefix.encode(), json.dumps(rates).encode())
@@ -46,7 +48,8 @@ def write_counters(index: Index, node_id: str, usage: dict[str, dict[str, int]],
 
 
 def read_counters(index: Index) -> dict[str, dict[str, int]]:
-    """Counters summed over every process that ever used this index, by tier."""
+    """Counters summed over every process that ever used this index, by tier (a pool tier's
+    `lenders`: {lender: blocks failed or late}, when any)."""
     if not index.open_table(TABLE):  # a read-only index no process has written counters to
         return {}
     totals: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(SUMMED, 0))
@@ -56,6 +59,10 @@ def read_counters(index: Index) -> dict[str, dict[str, int]]:
             for k, v in json.loads(value).items():
                 if k in SUMMED:
                     totals[tier][k] += int(v)
+                elif k == "lenders":
+                    lenders = totals[tier].setdefault("lenders", {})
+                    for lender, n in v.items():
+                        lenders[lender] = lenders.get(lender, 0) + int(n)
     return dict(totals)
 
 

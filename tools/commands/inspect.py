@@ -119,6 +119,11 @@ def _render_summary(console: Console, data: dict) -> None:
         if t.get("note"):
             console.print(f"{name}: {t['note']}")
     console.print(traffic)
+    for name, t in data["tiers"].items():
+        if t.get("lenders"):
+            worst = sorted(t["lenders"].items(), key=lambda kv: -kv[1])
+            console.print(f"{name}: blocks failed or late, by lender: "
+                          + ", ".join(f"{k} {v}" for k, v in worst))
     h = data["health"]
     console.print(f"sessions: {data['sessions']}   pending: {h['pending']}   map: "
                   f"{format_size(h['map_used_bytes'])} of {format_size(h['map_size_bytes'])}"
