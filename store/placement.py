@@ -101,6 +101,8 @@ class Placement:
                 self._open[keys[-1]] = turn.session
                 if len(self._open) > MAX_OPEN_REQUESTS:
                     self._open.popitem(last=False)
+                for pol in self.policies.values():  # what each tier's shadows would hit
+                    pol.on_lookup(keys, now, self.sessions.meta, self.frame_bytes)
             self._pins.update(dict.fromkeys(keys[held:hits], now + PIN_S))
             # Only blocks this node tracks (`_sizes` holds every one); the pool holds others'.
             for key in [k for k in keys[:hits] if k in self._sizes]:

@@ -76,11 +76,12 @@ def _gap_classes(text: str) -> str:
 def _policies(text: str) -> tuple[str, ...]:
     from kvtier.eviction import EVICTION_POLICIES
     pols = tuple(p.strip() for p in text.split(",") if p.strip())
-    unknown = [p for p in pols if p not in EVICTION_POLICIES or p == "belady"]
+    unknown = [p for p in pols if p.removesuffix("+select") not in EVICTION_POLICIES
+               or p == "belady" or (p.endswith("+select") and p != "agentic+select")]
     if unknown or not pols:
         raise ReplayError(f"unknown or implicit policy {(unknown or [text])[0]!r}; choose "
-                          f"from {', '.join(k for k in EVICTION_POLICIES if k != 'belady')} "
-                          "(belady and the infinite cache always run)")
+                          f"from {', '.join(k for k in EVICTION_POLICIES if k != 'belady')}, "
+                          "agentic+select (belady and the infinite cache always run)")
     return pols
 
 

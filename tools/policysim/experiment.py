@@ -44,6 +44,7 @@ from kvtier.tools.workload.synthetic import SyntheticSpec, synthetic
 from kvtier.tools.workload.traces import Workload, load_mooncake, load_weka, restrict_gap_classes
 
 CLASSIC = ("lru", "s3fifo", "arc")
+SELECTED = "agentic+select"
 BOUND = "online_bound"  # a job computing the online bound, not a policy
 ORACLE = "told ±"  # + the error's sigma: agentic told the true gaps (`sim_oracle`)
 GAP_TARGETS = ("synthetic", "weka")  # where target (a) applies
@@ -221,5 +222,8 @@ def _targets(row: dict, spec: RunSpec, name: str) -> dict:
     row["target_a"] = (None if name not in GAP_TARGETS or gap < spec.gap_min
                        else row["agentic"] - best >= gap / 2)
     row["target_b"] = row["agentic"] >= best - spec.slack
+    if SELECTED in row:  # (b'): with selection, also never far below agentic alone
+        row["target_b_select"] = row[SELECTED] >= max(best, row["agentic"]) - spec.slack \
+            or row[SELECTED] >= best - spec.slack and row["agentic"] < best
     return row
 
