@@ -77,8 +77,8 @@ class AgenticConfig(BaseModel):
     select_candidates: tuple[str, ...] = ("agentic", "lru", "s3fifo", "arc")
     select_sample_rate: float = Field(default=1 / 16, gt=0, le=1)  # of sessions, by hash
     select_min_blocks: int = Field(default=512, ge=1)   # a shadow holds at least this many
-    select_window: int = Field(default=256, ge=8)       # sampled lookups the scores decay over
-    select_margin: float = Field(default=0.03, ge=0)    # a leader must beat the current by this
+    select_window: int = Field(default=512, ge=8)       # sampled lookups the scores decay over
+    select_margin: float = Field(default=0.1, ge=0)     # a leader must beat the current by this
 
     @field_validator("select_candidates")
     @classmethod
