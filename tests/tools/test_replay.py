@@ -168,7 +168,7 @@ def test_cli_simulates_a_generated_workload_retimed_with_selection(tmp_path):
 @pytest.mark.parametrize("args, msg", [
     (["replay"], "choose a mode"),
     (["replay", "--engine", "sim", "-w", "chat"], "is for --simulate"),
-    (["replay", "--simulate", "--policies", "lru+select"], "lru\+select"),
+    (["replay", "--simulate", "--policies", "lru+select"], r"lru\+select"),
     (["replay", "--engine", "nope"], "--engine: expected one of vllm, sim"),
     (["replay", "--simulate", "--engine", "sim"], "two modes"),
     (["replay", "--engine", "sim", "-w", "weka", "-w", "conversation"], "one workload"),
