@@ -250,6 +250,13 @@ class Placement:
         write_sessions(self.index, rows)
         return len(rows)
 
+    def selection(self) -> dict[str, dict]:
+        """Per tier whose policy selects among candidates: the one it follows and its
+        shadows' hit rates (plain data, for `inspect`)."""
+        with self._lock:
+            return {name: pol.selection() for name, pol in self.policies.items()
+                    if hasattr(pol, "selection")}
+
     def frame_bytes(self, key: str) -> int:
         """The stored frame size of `key` (the largest seen when unknown)."""
         return self._sizes.get(key) or self._max_frame or (4 << 20)
