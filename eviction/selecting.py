@@ -5,8 +5,10 @@ policy may lead on a workload nobody tuned agentic on. So the tier runs one cand
 first agentic) and keeps a miniature simulation of each (`eviction.shadow`: a hash-sampled
 share of the sessions, the capacity scaled by the same share) fed with every lookup. Each
 shadow's hit bytes decay over `select_window` sampled lookups (an exponential window); the
-tier switches to the leader when it beats the followed candidate by `select_margin` (a
-relative margin) and the followed one has been followed for a quarter window (hysteresis).
+tier switches to the leader when its lead over the followed candidate is more than
+`select_margin` of the followed one's hits and more than twice the standard error of the mean
+lead per lookup (sampled sessions are few on a small node: noise must not switch), and the
+followed one has been followed for a quarter window (hysteresis).
 
 A switch rebuilds the new candidate from the tier's keys, least recent first (the tier keeps
 their recency: an LRU switch is exact, s3fifo and arc start without their history, agentic
@@ -42,6 +44,9 @@ class SelectingPolicy(EvictionPolicy):
         self.sampler: ChainSampler | None = None
         self.shadows: dict[str, ShadowCache] = {}
         self.score = dict.fromkeys(self.configs, 0.0)   # decayed hit bytes
+        # decayed sums of each candidate's lead over the followed one, per sampled lookup:
+        # count, sum, sum of squares (reset at a switch)
+        self.lead = {name: [0.0, 0.0, 0.0] for name in self.configs}
         self.looked = 0.0                               # decayed lookup bytes
         self.sampled = 0          # sampled lookups so far
         self.since = 0            # sampled lookups at the last switch
@@ -103,23 +108,38 @@ class SelectingPolicy(EvictionPolicy):
         if not self.sampler.keeps(keys, meta_of):
             return
         d = self._decay
-        for name, sh in self.shadows.items():
-            self.score[name] = self.score[name] * d + sh.lookup(keys, now, meta_of, size_of)
+        hits = {name: sh.lookup(keys, now, meta_of, size_of) for name, sh in self.shadows.items()}
+        base = hits[self.following]
+        for name, hit in hits.items():
+            self.score[name] = self.score[name] * d + hit
+            lead = self.lead[name]
+            x = hit - base
+            lead[0], lead[1], lead[2] = lead[0] * d + 1, lead[1] * d + x, lead[2] * d + x * x
         self.looked = self.looked * d + sum(size_of(k) for k in keys)
         self.sampled += 1
         self._maybe_switch(now, meta_of)
 
+    def _significant(self, name: str) -> bool:
+        """Does `name` lead the followed candidate by the margin, and by more than twice the
+        standard error of its mean lead per lookup (so sampling noise does not switch)?"""
+        n, s1, s2 = self.lead[name]
+        if n < 2 or s1 <= self.config.select_margin * self.score[self.following]:
+            return False
+        mean = s1 / n
+        var = max(s2 / n - mean * mean, 0.0)
+        return mean > 2.0 * (var / n) ** 0.5
+
     def _maybe_switch(self, now: float, meta_of) -> None:
         best = max(self.score, key=self.score.get)
-        cur = self.score[self.following]
-        if best == self.following or self.score[best] <= cur * (1 + self.config.select_margin) \
-                or self.sampled - self.since < self.config.select_window // 4:
+        if best == self.following or self.sampled - self.since < self.config.select_window // 4 \
+                or not self._significant(best):
             return
         live = self._make(self.configs[best], self.ctx)
         for key, size in self.keys.items():
             live.on_insert(key, size, now, meta_of(key))
         self.live, self.following = live, best
         self.since, self.switches = self.sampled, self.switches + 1
+        self.lead = {name: [0.0, 0.0, 0.0] for name in self.configs}
         self.used_bytes = live.used_bytes
 
     def selection(self) -> dict:
