@@ -108,7 +108,8 @@ def replay(
     live: int = typer.Option(0, min=0, help="synthetic: sessions in progress at once "
                              "(0: all)"),
     weka_live: int = typer.Option(32, min=1, help="weka: sessions in progress at once"),
-    seed: int = typer.Option(0, help="seed of the synthetic and generated workloads and the weka order"),
+    seed: int = typer.Option(0, help="seed of the synthetic and generated workloads and the "
+                             "weka order"),
     bytes_per_token: int = typer.Option(131_072, min=1, help="KV bytes per token"),
     prefill_tps: float = typer.Option(20_000.0, min=1.0, help="prefill tokens per second"),
     jobs: int = typer.Option(min(2, os.cpu_count() or 1), min=1, help="worker processes"),
