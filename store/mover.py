@@ -102,7 +102,8 @@ class Mover:
     def save_counters(self) -> None:
         """Record this process's tier counters in the index (for `kvtier inspect`)."""
         write_counters(self.index, self.node_id, self.usage(),
-                       self.rates.rows() if self.rates is not None else None)
+                       self.rates.rows() if self.rates is not None else None,
+                       self.placement.selection())
 
     # ---- requests (any thread) ----------------------------------------------------------
 

@@ -103,6 +103,8 @@ class Placement:
                 self._open[keys[-1]] = turn.session
                 if len(self._open) > MAX_OPEN_REQUESTS:
                     self._open.popitem(last=False)
+                for pol in self.policies.values():  # what each tier's shadows would hit
+                    pol.on_lookup(keys, now, self.sessions.meta, self.frame_bytes)
             self._pins.update(dict.fromkeys(keys[held:hits], now + PIN_S))
             # Only blocks this node tracks (`_sizes` holds every one); the pool holds others'.
             for key in [k for k in keys[:hits] if k in self._sizes]:
@@ -249,6 +251,13 @@ class Placement:
                     if (row := self._session_row(sid, now)) is not None]
         write_sessions(self.index, rows)
         return len(rows)
+
+    def selection(self) -> dict[str, dict]:
+        """Per tier whose policy selects among candidates: the one it follows and its
+        shadows' hit rates (plain data, for `inspect`)."""
+        with self._lock:
+            return {name: pol.selection() for name, pol in self.policies.items()
+                    if hasattr(pol, "selection")}
 
     def frame_bytes(self, key: str) -> int:
         """The stored frame size of `key` (the largest seen when unknown)."""

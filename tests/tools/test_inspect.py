@@ -17,10 +17,12 @@ import yaml
 from typer.testing import CliRunner
 
 from inspect_util import (NS, PAYLOAD, aged, dead_pid, drop_region_row, fill, flip_byte,
-                          frames_for, index_state, kill_pending_writer, nvme_offset, readable,
+                          frames_for, index_state, kill_pending_writer, nvme_offset,
+                          policy_data, readable,
                           rewrite_entry, session_keys, shared_file, start_worker, tree_state,
-                          wait_line, write_policy, policy_data)
+                          wait_line, write_policy)
 from kvtier.store.base import block
+from kvtier.store.base.config import load_policy
 from kvtier.store.base.errors import IndexError_
 from kvtier.store.base.index import Index
 from kvtier.store.base.index_record import Entry
@@ -28,7 +30,6 @@ from kvtier.store.base.keys import block_keys
 from kvtier.store.check.node import check_node, gc_node
 from kvtier.store.sessions.persist import read_sessions, write_sessions
 from kvtier.store.tiered import SessionHint, TieredStore
-from kvtier.store.base.config import load_policy
 from kvtier.tiers.files import check as check_files
 from kvtier.tiers.nvme.regions import pack_loc, unpack_loc
 from kvtier.tiers.sharedfs.files import QUARANTINE, write_block
@@ -241,6 +242,32 @@ def test_summary_sessions_and_blocks(tmp_path):
     assert len({c["checksum"] for c in copies.values()}) == 1
     assert "not in this node's index" in cli("blocks", "0" * 48, "-p", str(path)).stdout
     assert cli("blocks", "nothex", "-p", str(path)).exit_code == 2
+
+
+def test_summary_shows_the_candidate_each_tier_follows_and_its_shadows(tmp_path):
+    data = policy_data(tmp_path)
+    data["eviction"] = {"kind": "agentic", "select": True}
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(data))
+    pol = load_policy(path)
+    sessions = session_keys(3, 4)
+    with TieredStore(pol, mover=False) as store:
+        for _ in range(2):  # the second turn of each session hits in every shadow
+            for sid, keys in sessions.items():
+                store.lookup(keys, SessionHint(sid))
+                store.save(keys, frames_for(keys), SessionHint(sid))
+                store.finish(keys, SessionHint(sid, gap_class="tool"))
+    tiers = json.loads(cli("--json", "-p", str(path)).stdout)["tiers"]
+    for name in ("nvme", "shared"):
+        sel = tiers[name]["selection"]
+        assert sel["following"] == "agentic" and sel["sampled_lookups"] == 6
+        assert set(sel["shadows"]) == {"agentic", "lru", "s3fifo", "arc"}
+        assert all(0 < s["hit_pct"] < 100 and 0 < s["recent_hit_pct"] < 100
+                   for s in sel["shadows"].values()), "second turns hit, first ones miss"
+    text = cli("-p", str(path)).stdout
+    lru = tiers["nvme"]["selection"]["shadows"]["lru"]
+    assert "nvme follows agentic" in text
+    assert f"lru {lru['recent_hit_pct']:.1f}/{lru['hit_pct']:.1f}" in text
 
 
 def test_gc_removes_junk_old_quarantine_and_unreferenced_blocks(tmp_path):

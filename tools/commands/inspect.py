@@ -124,10 +124,23 @@ def _render_summary(console: Console, data: dict) -> None:
             worst = sorted(t["lenders"].items(), key=lambda kv: -kv[1])
             console.print(f"{name}: blocks failed or late, by lender: "
                           + ", ".join(f"{k} {v}" for k, v in worst))
+    for name, t in data["tiers"].items():
+        if t.get("selection"):
+            console.print(_selection_line(name, t["selection"]))
     h = data["health"]
     console.print(f"sessions: {data['sessions']}   pending: {h['pending']}   map: "
                   f"{format_size(h['map_used_bytes'])} of {format_size(h['map_size_bytes'])}"
                   f"   stats consistent: {h['stats_consistent']}")
+
+
+def _selection_line(tier: str, sel: dict) -> str:
+    """One line: the candidate a tier follows and each shadow's hit % (recent / overall)."""
+    def pct(v) -> str:
+        return "-" if v is None else f"{v:.1f}"
+    shadows = ", ".join(f"{n} {pct(s['recent_hit_pct'])}/{pct(s['hit_pct'])}"
+                        for n, s in sel["shadows"].items())
+    return (f"{tier} follows {sel['following']} ({sel['switches']} switches); shadows' "
+            f"hit % recent/overall: {shadows}")
 
 
 @app.command("sessions")
