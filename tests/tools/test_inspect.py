@@ -438,3 +438,20 @@ def test_sessions_count_what_the_pool_holds_now_and_mark_what_is_gone(tmp_path, 
     out = kvtier("inspect", "sessions", "-p", str(down))
     assert out.returncode == 0 and "no master answers at 127.0.0.1:1" in out.stdout, out.stdout
     assert "gone" in out.stdout
+
+
+def test_two_nodes_call_a_session_they_both_saw_by_one_id(tmp_path):
+    """Sessions inferred from the same chain of keys get the same id on every node, so
+    `inspect sessions` on two nodes (and their policies) agree on what a session is."""
+    keys = session_keys(1, 3)["s0"]
+    ids = []
+    for node in ("a", "b"):
+        (tmp_path / node).mkdir()
+        _, pol = write_policy(tmp_path / node)
+        with TieredStore(pol, node_id=node, mover=False) as store:
+            store.lookup(keys)  # no hint: the store infers the session
+            assert all(store.save(keys, frames_for(keys)))
+            store.finish(keys)
+        ids.append([r["session"] for r in json.loads(cli(
+            "sessions", "--json", "-p", str(tmp_path / node / "policy.yaml")).stdout)])
+    assert len(ids[0]) == 1 and ids[0] == ids[1]
