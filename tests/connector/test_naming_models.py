@@ -96,3 +96,26 @@ def test_a_model_with_groups_kvtier_cannot_store_is_refused_in_one_line():
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("kvtier cannot serve Qwen3NextForCausalLM")
     assert "MambaSpec" in msg
+
+
+def test_blocks_of_one_kind_are_a_miss_for_an_engine_of_another(tmp_path):
+    """An MLA engine's stored chunks, looked up by a full-attention engine of the same model
+    name and the same bytes per block: a miss, never bytes to scatter; and the other way."""
+    from kvtier.store.base import block
+    from kvtier.store.tiered import TieredStore
+    from kvtier.tiers.base import MISS
+    pol, _ = policy(tmp_path)
+    mla = naming.kv_shape(cache_config(mla_spec()))
+    full = naming.kv_shape(cache_config(vllm_kv.FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=288, dtype=torch.float32)))
+    tokens = list(range(1, 64 * 4 + 1))
+    mla_keys = naming.token_keys(naming.make_namespace(vllm_config(), mla, pol), tokens, b"")
+    full_keys = naming.token_keys(naming.make_namespace(vllm_config(), full, pol), tokens, b"")
+    payload = bytes(4 * mla.block_bytes)  # one 64-token chunk
+    with TieredStore(pol, node_id="n", mover=False) as store:
+        assert all(store.save(mla_keys, [memoryview(block.encode(k, payload))
+                                         for k in mla_keys]))
+        assert store.lookup(mla_keys).hit_blocks == len(mla_keys)
+        assert store.lookup(full_keys).hit_blocks == 0
+        outs = [memoryview(bytearray(block.HEADER_SIZE + len(payload))) for _ in full_keys]
+        assert store.load(full_keys, outs) == [MISS] * len(full_keys)
