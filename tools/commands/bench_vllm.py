@@ -37,7 +37,11 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
          ) -> None:
     """TTFT on real vLLM engines: cold, local prefix hit, remote hit from dram/nvme/shared."""
     from kvtier.tools.bench.vllm import BenchSpec, run_bench
+    from kvtier.tools.vllm_engine import MODEL_KINDS
 
+    if model_kind not in MODEL_KINDS:
+        raise typer.BadParameter(f"{model_kind!r}: use one of {', '.join(MODEL_KINDS)}",
+                                 param_hint="--model-kind")
     spec = BenchSpec(sizes=tuple(int(s) for s in sizes.split(",")), repeats=repeats,
                      chunk_tokens=chunk_tokens, dtype=dtype, inproc=not multiproc, pool=pool,
                      load=load, model_kind=model_kind)
