@@ -87,3 +87,27 @@ def test_the_stored_chunk_is_the_latent_cache(engines, cluster):
     payload = CHUNK * TINY_MLA["num_hidden_layers"] * latent * 4  # float32
     for key, path in zip(keys, files_of(cluster.shared, keys)):
         assert block.verify(path.read_bytes(), key).payload_len == payload
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_read_the_one_copy_any_engine_stored(engines, cluster):
+    """MLA's latent is the same on every TP rank: a TP=2 engine (two worker processes, one
+    core each) hits the chunks the TP=1 engine `a` stored, on both ranks, and the chunks
+    it stores itself carry the same keys as a TP=1 engine's (stored once, not per rank)."""
+    tc = cluster.transfer_config("t", namespace={"model": MODEL})
+    tp2 = engines.get("t", tc, block_size=BS, inproc=False,
+                      engine_args={**ENGINE_ARGS["mla"], "tensor_parallel_size": 2},
+                      env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    prompt = random_prompt(1, LONG)  # a stored it in the first test
+    ref = served(node(engines, cluster, "a"), prompt)  # = a's cold tokens (first test)
+    hit = served(tp2, prompt)
+    assert hit.kv_transfer_params["kvtier"]["hit_tokens"] == {"dram": hit.num_cached_tokens}
+    assert hit.num_cached_tokens >= 0.9 * LONG and hit.token_ids == ref.token_ids
+    fresh = random_prompt(3, 1000)
+    first = served(tp2, fresh)
+    assert first.kv_transfer_params["kvtier"]["saved_chunks"] == (len(fresh) - 1) // CHUNK
+    keys = chunk_keys(fresh, policy(cluster, "t"), "mla")  # as a TP=1 engine names them
+    wait_for(lambda: len(files_of(cluster.shared, keys)) == len(keys), 60,
+             "the mover to persist the TP=2 engine's chunks under TP=1 keys")
+    again = served(node(engines, cluster, "b"), fresh)
+    assert again.num_cached_tokens >= 0.9 * len(fresh) and again.token_ids == first.token_ids
