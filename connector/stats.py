@@ -6,8 +6,9 @@ per-batch durations. Counter names: `hit_tokens:<tier>` (scheduler, tokens loade
 tier, counted once the workers say they landed), `recomputed_tokens` (scheduler: promised,
 then recomputed), `lookups`, `lookup_tokens` (tokens asked for), `load_bytes`, `load_chunks`,
 `load_in_place_chunks` (of those, scattered straight from a pool segment file),
-`load_error_blocks`, `load_late_chunks` (chunks not loaded by their deadline), `save_bytes`,
-`save_chunks`, `save_failed_chunks`.
+`load_error_blocks`, `load_late_chunks` (chunks not loaded by their deadline),
+`lender_failures:<lender>` (pool blocks whose read failed or came late, by the transport
+endpoint of the process lending them), `save_bytes`, `save_chunks`, `save_failed_chunks`.
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         self._hits = self._counter_cls(name="kvtier_hit_tokens_total",
                                        documentation="Prompt tokens served by kvtier, by tier",
                                        labelnames=labelnames + ["tier"])
+        self._lenders = self._counter_cls(
+            name="kvtier_lender_failures_total", labelnames=labelnames + ["lender"],
+            documentation="Pool blocks whose read failed or came late, by the lender holding them")
         buckets = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
         self._seconds = {
             kind: self._histogram_cls(name=f"kvtier_{kind}_seconds", buckets=buckets,
@@ -105,6 +109,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         for name, value in transfer_stats_data.get("counters", {}).items():
             if name.startswith("hit_tokens:"):
                 self._hits.labels(*labels, name.split(":", 1)[1]).inc(value)
+            elif name.startswith("lender_failures:"):
+                self._lenders.labels(*labels, name.split(":", 1)[1]).inc(value)
             elif name in self._counters:
                 self._counters[name].labels(*labels).inc(value)
         for kind, values in transfer_stats_data.get("ms", {}).items():

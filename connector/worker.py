@@ -241,7 +241,10 @@ class WorkerSide:
         return meta
 
     def get_stats(self) -> KVTierStats | None:
+        gained = self.store.take_lender_failures()
         with self.stats_lock:
+            for lender, n in gained.items():
+                self.stats.add(f"lender_failures:{lender}", n)
             return self.stats.take()
 
     def shutdown(self) -> None:

@@ -14,6 +14,9 @@ Primitives:
 - Optional, for the mover: `select_demotions(now, max_bytes)` (move down proactively, with
   no capacity pressure) and `select_prefetch(now, max_bytes)` (keys of this tier to promote
   to the tier above before they are needed). Both default to nothing.
+- `on_lookup(keys, now, meta_of, size_of)`: a request looked up the chain `keys` (head
+  first), whatever this tier holds of it; `meta_of(key)` and `size_of(key)` answer for any
+  of them. Only policies that simulate what they would have hit need it. Default: nothing.
 - `on_tick(now)`: time has passed with no event on this tier (the mover calls it before it
   asks for victims, demotions or prefetches). A policy that keeps predictions of sessions
   catches up on what the session tracker learned since its last event: a turn that ended
@@ -139,6 +142,9 @@ class EvictionPolicy(ABC):
     def select_victims(self, need_bytes: int, now: float,
                        skip: Collection[Key] = ()) -> list[Key]:
         """Keys to remove, in order, freeing at least `need_bytes`. No side effects."""
+
+    def on_lookup(self, keys, now: float, meta_of, size_of) -> None:
+        """A request looked up the chain `keys`, hit or miss (default: not needed)."""
 
     def on_tick(self, now: float) -> None:
         """Time has passed with no event on this tier (default: nothing to catch up on)."""

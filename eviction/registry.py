@@ -8,6 +8,7 @@ from kvtier.eviction.base import EvictionPolicy, PolicyContext
 from kvtier.eviction.belady import BeladyPolicy
 from kvtier.eviction.lru import LRUPolicy
 from kvtier.eviction.s3fifo import S3FIFOPolicy
+from kvtier.eviction.selecting import SelectingPolicy
 from kvtier.store.base.errors import ConfigError
 from kvtier.store.base.policies import EVICTION_KINDS
 
@@ -35,4 +36,6 @@ def make_policy(config, ctx: PolicyContext) -> EvictionPolicy:
     cfg_cls, impl = EVICTION_POLICIES[config.kind]
     if impl.needs_sessions and ctx.sessions is None:
         raise ConfigError(f"eviction kind {config.kind!r} needs the session tracker")
+    if getattr(config, "select", False):
+        return SelectingPolicy(config, ctx, make_policy)
     return impl(config, ctx)

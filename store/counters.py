@@ -21,6 +21,7 @@ from kvtier.store.base.index import Index
 
 TABLE = "counters"
 RATES = "load_rates"
+SELECTION = "selection"   # per process and tier: the candidate a tier follows, its shadows
 # the tiers' own counters, then the mover's per tier (`Copier.tier_counters`)
 SUMMED = ("hits", "misses", "corrupt", "errors", "puts", "deletes", "bytes_in", "bytes_out",
           "late", "persist_misses", "demote_misses", "from_frames", "unheld")
@@ -28,25 +29,35 @@ _START = int(time.time())
 
 
 def write_counters(index: Index, node_id: str, usage: dict[str, dict[str, int]],
-                   rates: dict[str, dict[str, float]] | None = None) -> None:
-    """Store this process's cumulative counters of every tier, and its read-time estimates
-    (`LoadRates.rows`) when it has any (one write transaction)."""
+                   rates: dict[str, dict[str, float]] | None = None,
+                   selection: dict[str, dict] | None = None) -> None:
+    """Store this process's cumulative counters of every tier, its read-time estimates
+    (`LoadRates.rows`) and its tiers' policy selection (`SelectingPolicy.selection`) when
+    it has any (one write transaction)."""
     index.open_table(TABLE)
     index.open_table(RATES)
+    if selection:
+        index.open_table(SELECTION)
     prefix = f"{node_id}/{os.getpid()}/{_START}/"
 
     def go(txn) -> None:
         for tier, counts in usage.items():
-            row = {k: int(counts.get(k, 0)) for k in SUMMED}
+            row: dict = {k: int(counts.get(k, 0)) for k in SUMMED}
+            if counts.get("lenders"):  # blocks failed or late, by lender (pool tiers)
+                row["lenders"] = {str(k): int(v) for k, v in counts["lenders"].items()}
             txn.put(TABLE, (prefix + tier).encode(), json.dumps(row).encode())
         if rates:
             txn.put(RATES, prefix.encode(), json.dumps(rates).encode())
+        for tier, sel in (selection or {}).items():
+            txn.put(SELECTION, (prefix + tier).encode(),
+                    json.dumps({**sel, "updated": time.time()}).encode())
 
     index.run_write(go)
 
 
 def read_counters(index: Index) -> dict[str, dict[str, int]]:
-    """Counters summed over every process that ever used this index, by tier."""
+    """Counters summed over every process that ever used this index, by tier (a pool tier's
+    `lenders`: {lender: blocks failed or late}, when any)."""
     if not index.open_table(TABLE):  # a read-only index no process has written counters to
         return {}
     totals: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(SUMMED, 0))
@@ -56,6 +67,10 @@ def read_counters(index: Index) -> dict[str, dict[str, int]]:
             for k, v in json.loads(value).items():
                 if k in SUMMED:
                     totals[tier][k] += int(v)
+                elif k == "lenders":
+                    lenders = totals[tier].setdefault("lenders", {})
+                    for lender, n in v.items():
+                        lenders[lender] = lenders.get(lender, 0) + int(n)
     return dict(totals)
 
 
@@ -68,3 +83,17 @@ def read_rates(index: Index, newest: int = 64) -> list[dict[str, dict[str, float
         rows = [(k.decode().split("/"), v) for k, v in txn.rows(RATES)]
     rows.sort(key=lambda kv: int(kv[0][2]) if len(kv[0]) > 2 and kv[0][2].isdigit() else 0)
     return [json.loads(v) for _, v in rows[-newest:]]
+
+
+def read_selection(index: Index) -> dict[str, dict]:
+    """Per tier, the selection state the most recently writing process reported: which
+    candidate the tier follows and its shadows' hit rates."""
+    if not index.open_table(SELECTION):
+        return {}
+    newest: dict[str, dict] = {}
+    with index.read() as txn:
+        for key, value in txn.rows(SELECTION):
+            tier, row = key.decode().rsplit("/", 1)[-1], json.loads(value)
+            if row.get("updated", 0) >= newest.get(tier, {}).get("updated", -1):
+                newest[tier] = row
+    return newest

@@ -91,14 +91,19 @@ class Mover:
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Capacity, used bytes and counters of every tier (this mover's among them)."""
-        return {t.name: {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes(),
-                         **t.counters(), **self.copier.tier_counters(t.name)}
-                for t in self.tiers}
+        out = {t.name: {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes(),
+                        **t.counters(), **self.copier.tier_counters(t.name)}
+               for t in self.tiers}
+        for t in self.tiers:
+            if lenders := t.lender_failures():
+                out[t.name]["lenders"] = lenders
+        return out
 
     def save_counters(self) -> None:
         """Record this process's tier counters in the index (for `kvtier inspect`)."""
         write_counters(self.index, self.node_id, self.usage(),
-                       self.rates.rows() if self.rates is not None else None)
+                       self.rates.rows() if self.rates is not None else None,
+                       self.placement.selection())
 
     # ---- requests (any thread) ----------------------------------------------------------
 

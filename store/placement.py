@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import collections
 import math
+import os
+import socket
 import threading
 import time
 from typing import Sequence
@@ -101,6 +103,8 @@ class Placement:
                 self._open[keys[-1]] = turn.session
                 if len(self._open) > MAX_OPEN_REQUESTS:
                     self._open.popitem(last=False)
+                for pol in self.policies.values():  # what each tier's shadows would hit
+                    pol.on_lookup(keys, now, self.sessions.meta, self.frame_bytes)
             self._pins.update(dict.fromkeys(keys[held:hits], now + PIN_S))
             # Only blocks this node tracks (`_sizes` holds every one); the pool holds others'.
             for key in [k for k in keys[:hits] if k in self._sizes]:
@@ -248,6 +252,13 @@ class Placement:
         write_sessions(self.index, rows)
         return len(rows)
 
+    def selection(self) -> dict[str, dict]:
+        """Per tier whose policy selects among candidates: the one it follows and its
+        shadows' hit rates (plain data, for `inspect`)."""
+        with self._lock:
+            return {name: pol.selection() for name, pol in self.policies.items()
+                    if hasattr(pol, "selection")}
+
     def frame_bytes(self, key: str) -> int:
         """The stored frame size of `key` (the largest seen when unknown)."""
         return self._sizes.get(key) or self._max_frame or (4 << 20)
@@ -263,6 +274,8 @@ class Placement:
         row["blocks_per_tier"] = {t.name: sum(1 for k in chain if k in self.policies[t.name])
                                   for t in self.tiers}
         row["updated"] = now
+        # who wrote it: `inspect sessions` calls a session no running process tracks stale
+        row["writer"] = {"pid": os.getpid(), "host": socket.gethostname()}
         return row
 
     def session_rows(self) -> dict[str, dict]:

@@ -99,6 +99,8 @@ class TieredStore:
         self.placement = Placement(policy, self.tiers, self.index, clock)
         self.rates = LoadRates({t.name: t.kind for t in self.tiers})
         self._deadlines = DeadlineLoads(self.load, self.rates, self.index)
+        self._lenders_taken: dict[str, int] = {}
+        self._taken_lock = threading.Lock()
         self.mover = Mover(self.tiers, self.placement, self.index, self.node_id, policy.mover,
                            start=mover, rates=self.rates)
         self._closed = False
@@ -191,12 +193,34 @@ class TieredStore:
         """`load`, returning by `deadline` (`time.monotonic()`) whatever the tiers do
         (`store.deadline.DeadlineLoads.load_within`)."""
         out = self._deadlines.load_within(keys, outs, where, deadline, parts)
+        late: dict[str, list[str]] = {}
         for lo, hi in out.late_runs:  # counted against the tier each block was expected from
             for i in range(lo, hi):
                 tier = self.by_name.get(where[i]) if where is not None else self.tiers[0]
                 if tier is not None:
                     tier.stats.add(late=1)
+                    late.setdefault(tier.name, []).append(keys[i])
+        for name, late_keys in late.items():
+            self.by_name[name].blame_late(late_keys)
         return out
+
+    def lender_failures(self) -> dict[str, int]:
+        """Blocks whose load failed or came late, by lender, over this process's tiers."""
+        out: dict[str, int] = {}
+        for tier in self.tiers:
+            for lender, n in tier.lender_failures().items():
+                out[lender] = out.get(lender, 0) + n
+        return out
+
+    def take_lender_failures(self) -> dict[str, int]:
+        """What `lender_failures` gained since the last take (each gain taken once, however
+        many callers share this store)."""
+        with self._taken_lock:
+            now = self.lender_failures()
+            gained = {k: n - self._lenders_taken.get(k, 0) for k, n in now.items()
+                      if n > self._lenders_taken.get(k, 0)}
+            self._lenders_taken = now
+        return gained
 
     def expected_load_s(self, tiers: Sequence[str | None], nbytes_each: int
                         ) -> tuple[float, bool]:

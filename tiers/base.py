@@ -168,6 +168,14 @@ class Tier(ABC):
     def counters(self) -> dict[str, int]:
         return self.stats.snapshot()
 
+    def lender_failures(self) -> dict[str, int]:
+        """Blocks whose read failed or came late, by the lender that held them (the pool's
+        transport endpoint), since this tier opened; none for a tier with no lenders."""
+        return {}
+
+    def blame_late(self, keys: Sequence[str]) -> None:
+        """Count `keys`, given up on by a deadline, against the lenders that hold them."""
+
     def locate(self, keys: Sequence[str]) -> list[InPlaceRun]:
         """Runs of `keys` the caller may read where they lie, without a copy (see
         `MooncakeTier.locate`); none by default. Bytes read so are unverified: the caller

@@ -73,6 +73,21 @@ class AgenticConfig(BaseModel):
     density_min_s: float = Field(default=0.25, gt=0)
     density_max_s: float = Field(default=3600.0, gt=0)
     next_use_quantile: float = Field(default=0.5, gt=0, lt=1)
+    select: bool = False   # follow the candidate whose miniature simulation hits the most
+    select_candidates: tuple[str, ...] = ("agentic", "lru", "s3fifo", "arc")
+    select_sample_rate: float = Field(default=1 / 16, gt=0, le=1)  # of sessions, by hash
+    select_min_blocks: int = Field(default=512, ge=1)   # a shadow holds at least this many
+    select_window: int = Field(default=512, ge=8)       # sampled lookups the scores decay over
+    select_margin: float = Field(default=0.02, ge=0)    # a leader must beat the current by this
+
+    @field_validator("select_candidates")
+    @classmethod
+    def _candidates(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [c for c in v if c not in ("agentic", "lru", "s3fifo", "arc")]
+        if bad or not v:
+            raise ValueError(f"select_candidates: expected some of agentic, lru, s3fifo, arc, "
+                             f"got {', '.join(bad) or 'none'}")
+        return v
 
     @field_validator("idle_quantile", mode="before")
     @classmethod

@@ -132,7 +132,12 @@ def test_the_readme_recipe_serves_two_engines_on_one_cache_and_stops_clean(node,
     for port in (8001, 8002):
         log = (home / "kvtier" / f"vllm-{port}.log").read_text(errors="replace")
         assert "kvtier: worker stopped in" in log, log[-3000:]
-        stopping = log[log.index("shutdown triggered"):]
+        # The engine stopped within its time: vLLM closes it before it cancels the task that
+        # reads its outputs, so that task may still log an EngineDeadError after "MPClient:
+        # complete" (the order of `AsyncLLM.shutdown`, not a failed stop); up to there, nothing.
+        start = log.index("shutdown triggered")
+        assert "MPClient: complete" in log[start:], log[-3000:]
+        stopping = log[start:log.index("MPClient: complete", start)]
         for noise in ("still running after", "EngineDeadError", "Traceback", "force kill"):
             assert noise not in stopping, f"{noise!r} at stop:\n{stopping[-3000:]}"
     # Everything kvtier wrote is under the policy's paths (~/kvtier); nothing in

@@ -34,7 +34,7 @@ TOOL = 99_001  # a token id standing for the model's tool-call token
 
 
 def make_sides(root, tiers: list[dict], staging: int = 1 << 20, master: str | None = None,
-               model_config=None):
+               model_config=None, load_deadline: bool = True):
     """Both sides over one store of `tiers` and a paged cache in vLLM's CPU layout."""
     policy = policy_from_dict({
         "namespace": {"model": "unit"}, "chunk_tokens": CHUNK,
@@ -57,7 +57,7 @@ def make_sides(root, tiers: list[dict], staging: int = 1 << 20, master: str | No
                             parallel_config=SimpleNamespace(tensor_parallel_size=1,
                                                             pipeline_parallel_size=1),
                             scheduler_config=SimpleNamespace(max_num_batched_tokens=8192))
-    cfg = ConnectorConfig(policy, "unit", staging, 2, "async")
+    cfg = ConnectorConfig(policy, "unit", staging, 2, "async", load_deadline=load_deadline)
     worker = WorkerSide(vconf, kvc, cfg)  # first, as vLLM builds them in one process
     sched = SchedulerSide(vconf, kvc, cfg)
     worker.register_kv_caches(caches)
@@ -463,12 +463,15 @@ def test_a_corrupt_chunk_in_a_synchronous_load_fails_its_blocks_in_the_same_step
 @pytest.fixture
 def pool_sides(tmp_path, mooncake_master):
     """A pool tier lent from a segment file (`segment_dir`) over sharedfs: loads read the
-    pool's chunks where they lie in the file and scatter them from there."""
+    pool's chunks where they lie in the file and scatter them from there. Loads without
+    deadlines: these tests count which chunks were read where and read again, and a busy
+    host would turn a slow re-read into a recompute (`test_deadline` checks that)."""
     s = make_sides(tmp_path, [
         {"name": "dram", "kind": "mooncake", "capacity": "64MiB", "buffer": "8MiB",
          "staging": "8MiB", "segment_dir": str(tmp_path / "shm")},
         {"name": "shared", "kind": "sharedfs", "path": str(tmp_path / "shared"),
-         "capacity": "64MiB"}], staging=4 << 20, master=mooncake_master.address)
+         "capacity": "64MiB"}], staging=4 << 20, master=mooncake_master.address,
+        load_deadline=False)
     yield s
     close_sides(s)
 

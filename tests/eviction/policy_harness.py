@@ -4,6 +4,7 @@ tracker, and a tiny store that keeps a policy within a capacity."""
 from __future__ import annotations
 
 from kvtier.eviction import EVICTION_POLICIES, PolicyContext, make_policy
+from kvtier.store.base.policies import AgenticConfig
 from kvtier.store.sessions.tracker import SessionTracker
 
 SESSIONS, CHAIN = 6, 8  # keys are s * 100 + position: six sessions of eight blocks
@@ -28,10 +29,13 @@ def tracker_with_chains(now: float = 0.0) -> SessionTracker:
 def build(kind: str, capacity: int, tracker: SessionTracker | None = None):
     tracker = tracker or tracker_with_chains()
     ctx = PolicyContext(capacity, "test", tracker, StubFuture())
+    if kind == SELECTING:
+        return make_policy(AgenticConfig(kind="agentic", select=True), ctx), tracker
     return make_policy(kind, ctx), tracker
 
 
-ALL_KINDS = list(EVICTION_POLICIES)
+SELECTING = "agentic+select"  # agentic following the best of its miniature simulations
+ALL_KINDS = [*EVICTION_POLICIES, SELECTING]
 
 
 class MiniStore:
@@ -47,6 +51,7 @@ class MiniStore:
         return self.tracker.meta(key)
 
     def insert(self, key, size: int, now: float) -> list:
+        self.policy.on_lookup([key], now, self.meta, lambda _k: size)  # a miss, then a save
         self.policy.on_insert(key, size, now, self.meta(key))
         self.sizes[key] = size
         self.removed.discard(key)

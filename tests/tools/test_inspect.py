@@ -13,19 +13,23 @@ import sys
 import time
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from inspect_util import (NS, PAYLOAD, aged, dead_pid, drop_region_row, fill, flip_byte,
-                          frames_for, index_state, kill_pending_writer, nvme_offset, readable,
+                          frames_for, index_state, kill_pending_writer, nvme_offset,
+                          policy_data, readable,
                           rewrite_entry, session_keys, shared_file, start_worker, tree_state,
                           wait_line, write_policy)
 from kvtier.store.base import block
+from kvtier.store.base.config import load_policy
 from kvtier.store.base.errors import IndexError_
 from kvtier.store.base.index import Index
 from kvtier.store.base.index_record import Entry
 from kvtier.store.base.keys import block_keys
 from kvtier.store.check.node import check_node, gc_node
-from kvtier.store.tiered import TieredStore
+from kvtier.store.sessions.persist import read_sessions, write_sessions
+from kvtier.store.tiered import SessionHint, TieredStore
 from kvtier.tiers.files import check as check_files
 from kvtier.tiers.nvme.regions import pack_loc, unpack_loc
 from kvtier.tiers.sharedfs.files import QUARANTINE, write_block
@@ -219,6 +223,7 @@ def test_summary_sessions_and_blocks(tmp_path):
         {"nvme": (8, 0), "shared": (8, 0)}
     assert summary["tiers"]["nvme"]["bytes"] == 8 * (block.HEADER_SIZE + PAYLOAD)
     assert summary["sessions"] == 2 and summary["health"]["stats_consistent"]
+    assert summary["health"]["map_size_bytes"] == 64 << 20  # the policy's, read-only too
     assert "nvme" in cli("-p", str(path)).stdout
 
     rows = json.loads(cli("sessions", "--json", "-p", str(path)).stdout)
@@ -237,6 +242,32 @@ def test_summary_sessions_and_blocks(tmp_path):
     assert len({c["checksum"] for c in copies.values()}) == 1
     assert "not in this node's index" in cli("blocks", "0" * 48, "-p", str(path)).stdout
     assert cli("blocks", "nothex", "-p", str(path)).exit_code == 2
+
+
+def test_summary_shows_the_candidate_each_tier_follows_and_its_shadows(tmp_path):
+    data = policy_data(tmp_path)
+    data["eviction"] = {"kind": "agentic", "select": True}
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(data))
+    pol = load_policy(path)
+    sessions = session_keys(3, 4)
+    with TieredStore(pol, mover=False) as store:
+        for _ in range(2):  # the second turn of each session hits in every shadow
+            for sid, keys in sessions.items():
+                store.lookup(keys, SessionHint(sid))
+                store.save(keys, frames_for(keys), SessionHint(sid))
+                store.finish(keys, SessionHint(sid, gap_class="tool"))
+    tiers = json.loads(cli("--json", "-p", str(path)).stdout)["tiers"]
+    for name in ("nvme", "shared"):
+        sel = tiers[name]["selection"]
+        assert sel["following"] == "agentic" and sel["sampled_lookups"] == 6
+        assert set(sel["shadows"]) == {"agentic", "lru", "s3fifo", "arc"}
+        assert all(0 < s["hit_pct"] < 100 and 0 < s["recent_hit_pct"] < 100
+                   for s in sel["shadows"].values()), "second turns hit, first ones miss"
+    text = cli("-p", str(path)).stdout
+    lru = tiers["nvme"]["selection"]["shadows"]["lru"]
+    assert "nvme follows agentic" in text
+    assert f"lru {lru['recent_hit_pct']:.1f}/{lru['hit_pct']:.1f}" in text
 
 
 def test_gc_removes_junk_old_quarantine_and_unreferenced_blocks(tmp_path):
@@ -338,3 +369,72 @@ def test_a_tier_that_cannot_be_opened_is_unchecked_and_never_clean(tmp_path):
     out = cli("check", "-p", str(path))
     assert out.exit_code == 1 and "could not check nvme" in out.stdout
     assert cli("gc", "--dry-run", "-p", str(path)).exit_code == 1
+
+
+def test_a_fresh_node_is_an_empty_table_and_inspect_makes_no_index(tmp_path):
+    path, _ = write_policy(tmp_path)
+    out = cli("-p", str(path))
+    assert out.exit_code == 0 and "no index at" in out.stdout and "nvme" in out.stdout
+    data = json.loads(cli("--json", "-p", str(path)).stdout)
+    assert data["fresh"] and {t["blocks"] for t in data["tiers"].values()} == {0}
+    assert json.loads(cli("sessions", "--json", "-p", str(path)).stdout) == []
+    assert "not in this node's index" in cli("blocks", "0" * 48, "-p", str(path)).stdout
+    assert not (tmp_path / "index").exists()
+
+
+def test_the_tables_fit_80_columns_without_cutting_a_header(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    path, pol = write_policy(tmp_path)
+    fill(pol, session_keys(2, 4), waits_for={"s0": "tool"})
+    for args in ((), ("sessions",)):
+        text = cli(*args, "-p", str(path)).stdout
+        assert max(len(line) for line in text.splitlines()) <= 80, text
+        assert "…" not in text, text
+    summary = cli("-p", str(path)).stdout
+    for header in ("capacity", "pending", "misses", "written", "errors"):
+        assert header in summary, summary
+    assert "waits for" in cli("sessions", "-p", str(path)).stdout
+
+
+def test_sessions_count_what_the_pool_holds_now_and_mark_what_is_gone(tmp_path, shared_master):
+    data = policy_data(tmp_path, shared_master.address)
+    data["tiers"] = data["tiers"][:1]  # the pool alone: its blocks live as long as the lender
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(data))
+    keys = session_keys(1, 3)["s0"]
+
+    def rows(policy=path) -> dict:
+        out = kvtier("inspect", "sessions", "--json", "-p", str(policy))
+        assert out.returncode == 0, out.stderr
+        return {r["session"]: r for r in json.loads(out.stdout)}
+
+    with TieredStore(load_policy(path), mover=False) as store:  # lends the pool its segment
+        hint = SessionHint("s0")
+        store.lookup(keys, hint)
+        assert all(store.save(keys, frames_for(keys), hint))
+        store.finish(keys, hint)
+        row = rows()["s0"]
+        assert row["blocks_per_tier"] == {"dram": 3} and not row["gone"]
+        assert row["state"] != "stale"  # its writer, this process, runs
+        summary = json.loads(kvtier("inspect", "--json", "-p", str(path)).stdout)
+        assert summary["tiers"]["dram"]["blocks"] == 3
+    # The store took its segment back as it closed, and its blocks with it; the writer is
+    # still this process, so the row is only gone.
+    row = rows()["s0"]
+    assert row["blocks_per_tier"] == {"dram": 0} and row["gone"]
+    # A writer that exited: no process tracks the session, whatever its row said.
+    ix = Index(tmp_path / "index")
+    try:
+        (sid, rec, chain), = list(read_sessions(ix))
+        rec["writer"]["pid"] = dead_pid()
+        write_sessions(ix, [(sid, rec, chain)])
+    finally:
+        ix.close()
+    assert rows()["s0"]["state"] == "stale"
+    # No master: the pool is gone with it; the reader is told, and nothing is started.
+    data["master"]["address"] = "127.0.0.1:1"
+    down = tmp_path / "down.yaml"
+    down.write_text(yaml.safe_dump(data))
+    out = kvtier("inspect", "sessions", "-p", str(down))
+    assert out.returncode == 0 and "no master answers at 127.0.0.1:1" in out.stdout, out.stdout
+    assert "gone" in out.stdout

@@ -150,8 +150,25 @@ def test_cli_runs_a_small_simulation_and_writes_json(tmp_path):
     assert set(report["workloads"]["synthetic"]["tiered"]) == {"lru", "agentic"}
 
 
+def test_cli_simulates_a_generated_workload_retimed_with_selection(tmp_path):
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, [
+        "replay", "--simulate", "-w", "chat", "--seed", "3", "--time-scale", "0.1",
+        "--capacities", "0.1", "--policies", "lru,agentic+select", "--tiered", "none",
+        "--jobs", "1", "--json", str(out)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    w = json.loads(out.read_text())["workloads"]["chat"]
+    assert "seed 3" in w["name"] and "time x0.1" in w["name"]
+    row = w["rows"][0]
+    assert 0 < row["agentic+select"] <= w["infinite"] and row["belady"] >= row["lru"]
+    assert set(w["cpu_s"]) >= {"lru", "agentic+select"}
+    assert "agentic+select" in res.output
+
+
 @pytest.mark.parametrize("args, msg", [
     (["replay"], "choose a mode"),
+    (["replay", "--engine", "sim", "-w", "chat"], "is for --simulate"),
+    (["replay", "--simulate", "--policies", "lru+select"], r"lru\+select"),
     (["replay", "--engine", "nope"], "--engine: expected one of vllm, sim"),
     (["replay", "--simulate", "--engine", "sim"], "two modes"),
     (["replay", "--engine", "sim", "-w", "weka", "-w", "conversation"], "one workload"),

@@ -36,6 +36,7 @@ a delete can only see a torn frame, which verification turns into a miss.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +81,8 @@ class MooncakeTier(Tier):
         self._worker = ThreadPoolExecutor(TRANSFER_THREADS,
                                           thread_name_prefix=f"kvtier-{cfg.name}")
         self.usage = PoolUsage(cfg.capacity_bytes, self.client, ctx.master)
+        self._lenders: collections.Counter[str] = collections.Counter()
+        self._lenders_lock = threading.Lock()
         # Other processes' segments of this node, read straight from their files.
         self.segments = Segments(cfg.segment_dir) if cfg.segment_dir else None
 
@@ -159,6 +162,7 @@ class MooncakeTier(Tier):
         result = [MISS] * len(keys)
         corrupt: list[str] = []
         too_small: list[int] = []
+        failed: list[str] = []
 
         def check(items: list[tuple[int, int, memoryview]]) -> None:
             """Verify the frames a call read, (index, code, frame) each (`verify_pool`: large
@@ -176,6 +180,7 @@ class MooncakeTier(Tier):
                     too_small.append(i)
                 elif code < 0 and (code == TRANSFER_FAIL or code not in MISS_CODES):
                     self.stats.add(errors=1)  # -800: the client lending that segment is gone
+                    failed.append(keys[i])
 
         # Each key once: Mooncake's batch_get_into fills only the last buffer of a key that
         # appears twice in a batch, yet answers success for every occurrence.
@@ -190,6 +195,8 @@ class MooncakeTier(Tier):
                            [len(views[i]) for i in uniq],
                            lambda items: check([(uniq[j], c, f) for j, c, f in items]))
         too_small = self._sound_frames(keys, too_small, corrupt)
+        if failed:
+            self._blame(failed)
         if corrupt:
             self._quarantine(corrupt)
         if too_small:
@@ -207,6 +214,31 @@ class MooncakeTier(Tier):
         self.stats.add_reads(result, corrupt=len(corrupt))
         self.usage.forget([k for k, n in zip(keys, result) if n == MISS])
         return result
+
+    def lender_failures(self) -> dict[str, int]:
+        with self._lenders_lock:
+            return dict(self._lenders)
+
+    def blame_late(self, keys: Sequence[str]) -> None:
+        # in a thread of its own: the caller is a request past its deadline
+        threading.Thread(target=self._blame, args=(list(keys),), daemon=True,
+                         name=f"kvtier-{self.name}-blame").start()
+
+    def _blame(self, keys: list[str]) -> None:
+        """Count `keys` against the lenders the master says hold them (`unknown` when it
+        names none: the object or its lender is gone)."""
+        try:
+            with self.client.session() as store:
+                descs = store.batch_get_replica_desc(list(keys))
+        except Exception:  # noqa: BLE001 - a master that cannot say leaves them unknown
+            descs = {}
+        found: collections.Counter[str] = collections.Counter()
+        for key in keys:
+            ends = [d.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                    for d in descs.get(key, ()) if d.is_memory_replica()]
+            found[ends[0] if ends else "unknown"] += 1
+        with self._lenders_lock:
+            self._lenders.update(found)
 
     def _get_direct(self, keys: Sequence[str], views: list[memoryview], todo: list[int],
                     result: list[int]) -> list[int]:

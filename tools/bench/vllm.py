@@ -20,7 +20,9 @@ TTFT is the wall time of a one-token greedy `generate` inside the engine process
 load, first sample); each case is reported as the median and the best of its repeats (on a
 shared machine interference only adds time). Every hit is checked against the tier the
 connector reports.
-The connector's targets: dram within 1.5x of local; at 16K tokens dram at least 20x faster than cold.
+The connector's targets: dram within 1.5x of local; at 16K tokens dram at least 20x faster than
+cold; and the worst case: no dram hit slower than 1.2x the median cold prefill (a hit never
+costs more than recomputing it). `busy` spins that many processes beside the engines.
 """
 
 from __future__ import annotations
@@ -28,14 +30,16 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvtier.store.base import block
 from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
-from kvtier.store.base import block
 from kvtier.tools.vllm_engine import (BLOCK_SIZE, ENGINE_ARGS, MODEL_KINDS, Engine,
                                       kvtier_transfer_config, make_tiny_model, prompt_keys,
                                       random_prompt)
@@ -58,6 +62,7 @@ class BenchSpec:
     # "embedded": each engine lends its own segment and reads the other's over TCP.
     pool: str = "files"
     load: str = "async"  # the connector's `load` setting (async, sync, auto)
+    busy: int = 0  # processes spinning a core each beside the engines (a CPU-heavy job)
     # the tiny model's architecture (`tiny_models`): llama, mla (DeepSeek-V2 shape, its own
     # block size 16), swa (Gemma 3 shape, sliding window beside full attention)
     model_kind: str = "llama"
@@ -80,6 +85,12 @@ class Result:
     def median_ms(self, case: str) -> float | None:
         v = self.ttft_s[case]
         return statistics.median(v) * 1e3 if v else None
+
+    def p99_ms(self, case: str) -> float | None:
+        """The tail a user feels: the 99th percentile of the repeats (the worst of fewer
+        than 100)."""
+        v = sorted(self.ttft_s[case])
+        return v[min(len(v) - 1, int(0.99 * len(v)))] * 1e3 if v else None
 
     def min_ms(self, case: str) -> float | None:
         """The best of the repeats: on a shared machine, interference only adds time."""
@@ -237,24 +248,39 @@ def targets(results: list[Result]) -> list[dict]:
             if local and dram:
                 out.append({"size": res.size, "stat": stat, "what": "dram / local <= 1.5",
                             "value": round(dram / local, 2), "ok": dram / local <= 1.5})
+            if stat == "median" and cold and res.ttft_s["dram"]:
+                worst = max(res.ttft_s["dram"]) * 1e3
+                out.append({"size": res.size, "stat": "max", "what": "dram / median cold <= 1.2",
+                            "value": round(worst / cold, 2), "ok": worst / cold <= 1.2})
             if res.size >= 16384 and cold and dram:
                 out.append({"size": res.size, "stat": stat, "what": "cold / dram >= 20",
                             "value": round(cold / dram, 1), "ok": cold / dram >= 20})
     return out
 
 
+def _spin(n: int) -> list[subprocess.Popen]:
+    """`n` processes that each keep a core busy (what a CPU-heavy job beside a server does)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
 def run_bench(spec: BenchSpec, root: Path | None = None, progress=print) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-") as tmp:
         bench = Bench(Path(root or tmp), spec, progress)
+        spinning: list[subprocess.Popen] = []
         try:
             bench.start()
+            spinning = _spin(spec.busy)
             results = bench.run()
             per_token = bench.stored_bytes_per_token()
         finally:
+            for p in spinning:
+                p.kill()
+                p.wait()
             bench.close()
     return {"spec": asdict(spec), "first_remote_hit_ms": round(bench.first_remote_s * 1e3, 1),
             "stored_bytes_per_token": per_token,
             "results": [
         asdict(r) | {"median_ms": {c: r.median_ms(c) for c in CASES},
-                     "min_ms": {c: r.min_ms(c) for c in CASES}} for r in results],
+                     "min_ms": {c: r.min_ms(c) for c in CASES},
+                     "p99_ms": {c: r.p99_ms(c) for c in CASES}} for r in results],
         "targets": targets(results)}

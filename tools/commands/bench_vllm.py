@@ -28,6 +28,8 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
                                   "it over TCP"),
          load: str = typer.Option("async", help="the connector's load setting: async, sync, "
                                   "auto (sync when the engine runs nothing else)"),
+         busy: int = typer.Option(0, min=0, help="processes keeping a core busy each "
+                                  "beside the engines (a CPU-heavy job on the host)"),
          model_kind: str = typer.Option("llama", "--model-kind", help="the tiny random "
                                         "model: llama, mla (DeepSeek-V2 shape), swa (Gemma 3 "
                                         "shape: sliding window beside full attention)"),
@@ -44,14 +46,15 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
                                  param_hint="--model-kind")
     spec = BenchSpec(sizes=tuple(int(s) for s in sizes.split(",")), repeats=repeats,
                      chunk_tokens=chunk_tokens, dtype=dtype, inproc=not multiproc, pool=pool,
-                     load=load, model_kind=model_kind)
+                     load=load, busy=busy, model_kind=model_kind)
     console = Console(width=max(110, Console().width))
     with console.status("kvtier bench vllm") as status:
         doc = run_bench(spec, dir, progress=lambda msg: status.update(f"bench vllm: {msg}"))
-    for stat in ("median", "min"):
+    for stat in ("median", "min", "p99"):
+        beside = f", {busy} busy cores beside" if busy else ""
         render(console, doc, stat, f"kvtier bench vllm: TTFT in ms ({stat} of {repeats}), "
                                    f"tiny {model_kind} {dtype}, chunk {spec.chunk_tokens}, "
-                                   f"pool {pool}, load {load}")
+                                   f"pool {pool}, load {load}{beside}")
     console.print(f"  stored: {doc['stored_bytes_per_token']} bytes per token")
     console.print(f"  b's first remote hit (maps a's segment; not in the table): "
                   f"{doc['first_remote_hit_ms']} ms, {min(spec.sizes)} tokens")

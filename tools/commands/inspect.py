@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -21,6 +22,7 @@ from kvtier.store.base.index import Index
 from kvtier.store.base.keys import check_key
 from kvtier.store.base.units import format_size
 from kvtier.store.check.node import check_node, gc_node
+from kvtier.store.check.sessions import present_now, session_rows
 from kvtier.store.check.summary import summarize
 from kvtier.store.sessions.persist import read_sessions
 from kvtier.tiers.base import NOTICE_KINDS
@@ -40,8 +42,14 @@ def _policy(policy: Optional[Path], index: Optional[Path] = None) -> Policy:
     return pol
 
 
-def open_index_readonly(policy: Optional[Path], index: Optional[Path]) -> Index:
-    return Index(_policy(policy, index).index.path, readonly=True, recover=False)
+def open_index_readonly(policy: Optional[Path], index: Optional[Path] = None) -> Index | None:
+    """The node's index, read-only at the policy's map size; None on a node where nothing
+    was stored yet (no index file): an empty node, not an error."""
+    pol = _policy(policy, index)
+    if not (Path(pol.index.path) / "data.mdb").exists():
+        return None
+    return Index(pol.index.path, pol.index.map_size_bytes, pol.index.max_map_size_bytes,
+                 readonly=True, recover=False)
 
 
 def _emit(data, as_json: bool, render) -> None:
@@ -51,52 +59,107 @@ def _emit(data, as_json: bool, render) -> None:
         render(Console(), data)
 
 
+OFFLINE = typer.Option(False, "--offline", help="do not ask the master what the pool holds")
+
+
 @app.callback()
 def inspect(ctx: typer.Context, policy: Optional[Path] = POLICY,
             index: Optional[Path] = typer.Option(None, "--index", help="index directory"),
+            offline: bool = OFFLINE, node_id: Optional[str] = NODE,
             as_json: bool = JSON) -> None:
-    """Summary per tier (capacity, blocks, bytes, pending), sessions, and index health."""
+    """Summary per tier (capacity, blocks, bytes, pending; hits, misses, traffic), sessions,
+    and index health. The pool's blocks are counted by asking its master (never started
+    here) which blocks of this node's sessions it holds."""
     if ctx.invoked_subcommand is not None:
         return
     pol = _policy(policy, index)
-    ix = Index(pol.index.path, readonly=True, recover=False)
+    ix = open_index_readonly(policy, index)
     try:
         data = summarize(ix, pol)
+        if ix is not None:
+            keys = sorted({k for _, _, chain in read_sessions(ix) for k in chain})
+            pools = [t.name for t in pol.tiers if t.kind == "mooncake"]
+            present, notes = present_now(ix, pol, keys, node_id, not offline) if pools \
+                else ({}, {})
+            for name in pools:
+                row = data["tiers"][name]
+                row["blocks"] = len(present[name]) if name in present else None
+                row["bytes"] = None  # the master keeps the pool's sizes
+                row["note"] = notes.get(name, "blocks: those of this node's sessions the "
+                                              "master holds")
     finally:
-        ix.close()
+        if ix is not None:
+            ix.close()
     _emit(data, as_json, _render_summary)
 
 
+def _n(v) -> str:
+    return "-" if v is None else str(v)
+
+
 def _render_summary(console: Console, data: dict) -> None:
-    table = Table(title=f"kvtier index {data['index']}")
-    for col in ("tier", "kind", "capacity", "blocks", "bytes", "pending", "hits", "misses",
-                "late", "in", "out", "errors"):
-        table.add_column(col, justify="left" if col in ("tier", "kind") else "right")
+    if data.get("fresh"):
+        console.print(f"no index at {data['index']} yet: nothing stored on this node")
+    contents = Table(title=f"kvtier index {data['index']}", title_justify="left")
+    traffic = Table(title="since each tier's counters began", title_justify="left")
+    for col in ("tier", "kind", "capacity", "blocks", "bytes", "pending"):
+        contents.add_column(col, justify="left" if col in ("tier", "kind") else "right")
+    for col in ("tier", "hits", "misses", "late", "read", "written", "errors"):
+        traffic.add_column(col, justify="left" if col == "tier" else "right")
     for name, t in data["tiers"].items():
         cap = t.get("capacity_bytes")
-        table.add_row(name, t.get("kind", "?"), format_size(cap) if cap else "-",
-                      str(t["blocks"]), format_size(t["bytes"]), str(t["pending"]),
-                      str(t["hits"]), str(t["misses"]), str(t.get("late", 0)),
-                      format_size(t["bytes_in"]),
-                      format_size(t["bytes_out"]), str(t["errors"] + t["corrupt"]))
-    console.print(table)
+        contents.add_row(name, t.get("kind", "?"), format_size(cap) if cap else "-",
+                         _n(t["blocks"]), "-" if t["bytes"] is None else format_size(t["bytes"]),
+                         str(t["pending"]))
+        traffic.add_row(name, str(t["hits"]), str(t["misses"]), str(t.get("late", 0)),
+                        format_size(t["bytes_out"]), format_size(t["bytes_in"]),
+                        str(t["errors"] + t["corrupt"]))
+    console.print(contents)
+    for name, t in data["tiers"].items():
+        if t.get("note"):
+            console.print(f"{name}: {t['note']}")
+    console.print(traffic)
+    for name, t in data["tiers"].items():
+        if t.get("lenders"):
+            worst = sorted(t["lenders"].items(), key=lambda kv: -kv[1])
+            console.print(f"{name}: blocks failed or late, by lender: "
+                          + ", ".join(f"{k} {v}" for k, v in worst))
+    for name, t in data["tiers"].items():
+        if t.get("selection"):
+            console.print(_selection_line(name, t["selection"]))
     h = data["health"]
     console.print(f"sessions: {data['sessions']}   pending: {h['pending']}   map: "
                   f"{format_size(h['map_used_bytes'])} of {format_size(h['map_size_bytes'])}"
                   f"   stats consistent: {h['stats_consistent']}")
 
 
+def _selection_line(tier: str, sel: dict) -> str:
+    """One line: the candidate a tier follows and each shadow's hit % (recent / overall)."""
+    def pct(v) -> str:
+        return "-" if v is None else f"{v:.1f}"
+    shadows = ", ".join(f"{n} {pct(s['recent_hit_pct'])}/{pct(s['hit_pct'])}"
+                        for n, s in sel["shadows"].items())
+    return (f"{tier} follows {sel['following']} ({sel['switches']} switches); shadows' "
+            f"hit % recent/overall: {shadows}")
+
+
 @app.command("sessions")
-def sessions(policy: Optional[Path] = POLICY, as_json: bool = JSON) -> None:
-    """Per session: turns, blocks per tier, last turn, predicted next turn, state, and what
-    it waits for (a tool or a person; while a turn is served, what it likely ends on)."""
-    ix = open_index_readonly(policy, None)
+def sessions(policy: Optional[Path] = POLICY, offline: bool = OFFLINE,
+             node_id: Optional[str] = NODE, as_json: bool = JSON) -> None:
+    """Per session: state, turns, blocks per tier now, last turn, predicted next turn, and
+    what it waits for (a tool or a person; while a turn is served, what it likely ends on).
+    `stale`: no running process tracks it; `gone`: none of its blocks is left."""
+    ix = open_index_readonly(policy)
     try:
-        rows = [{"session": sid, **rec, "chain_blocks": len(chain)}
-                for sid, rec, chain in read_sessions(ix)]
+        rows, notes = session_rows(ix, _policy(policy), node_id, not offline) \
+            if ix is not None else ([], {})
     finally:
-        ix.close()
-    _emit(rows, as_json, _render_sessions)
+        if ix is not None:
+            ix.close()
+    if as_json:  # the rows stay a list (what scripts read); the notes go to stderr
+        for name, why in notes.items():
+            print(f"{name}: {why}", file=sys.stderr)
+    _emit(rows if as_json else (rows, notes), as_json, _render_sessions)
 
 
 def _ago(t) -> str:
@@ -104,17 +167,20 @@ def _ago(t) -> str:
         if t <= time.time() else f"in {t - time.time():.0f}s"
 
 
-def _render_sessions(console: Console, rows: list) -> None:
-    table = Table(title=f"{len(rows)} sessions")
-    for col in ("session", "state", "turns", "blocks per tier", "last turn end", "next turn",
-                "waits for"):
-        table.add_column(col)
+def _render_sessions(console: Console, data) -> None:
+    rows, notes = data
+    table = Table(title=f"{len(rows)} sessions", title_justify="left")
+    for col in ("session", "state", "turns", "blocks", "last end", "next", "waits for"):
+        table.add_column(col, overflow="fold")
     for r in rows:
         per = " ".join(f"{k}:{v}" for k, v in r.get("blocks_per_tier", {}).items())
-        table.add_row(r["session"], r.get("state", "?"), str(r.get("turns", "?")), per,
+        state = r.get("state", "?") + (", gone" if r.get("gone") else "")
+        table.add_row(r["session"], state, str(r.get("turns", "?")), per,
                       _ago(r.get("last_end")), _ago(r.get("predicted_next")),
                       r.get("waits_for") or "-")
     console.print(table)
+    for name, why in notes.items():
+        console.print(f"{name}: {why}")
 
 
 @app.command("blocks")
@@ -127,6 +193,9 @@ def blocks(keys: List[str] = typer.Argument(..., help="block keys (48 hex charac
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
     ix = open_index_readonly(policy, None)
+    if ix is None:
+        _emit([{"key": key, "copies": []} for key in keys], as_json, _render_blocks)
+        return
     try:
         names = ix.tier_names()
         rows = []

@@ -90,7 +90,7 @@ def pool_service(policy: Optional[Path] = POLICY_OPT) -> None:
 def demo(instances: int = typer.Option(4, min=1, help="vLLM engine processes"),
          sessions: int = typer.Option(8, min=1, help="agent sessions"),
          turns: int = typer.Option(8, min=1, help="turns per session"),
-         scale: float = typer.Option(0.1, min=0.001, help="real tokens per workload token"),
+         scale: float = typer.Option(0.15, min=0.001, help="real tokens per workload token"),
          speed: float = typer.Option(4.0, min=0.001, help="time runs this much faster"),
          out: Path = typer.Option(Path("replay-out/demo"), help="report and plots go here"),
          dram_only: bool = typer.Option(False, help="also run the DRAM-only pool")) -> None:

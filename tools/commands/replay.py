@@ -27,6 +27,7 @@ from kvtier.tools.policysim.replay import SimParams
 from kvtier.tools.workload.synthetic import SyntheticSpec
 
 WORKLOADS = ("synthetic", "weka", "conversation")
+GENERATED = ("forks", "chat", "rag")   # `tools.workload.generators`, simulate only
 
 
 class ReplayError(KVTierError):
@@ -49,9 +50,10 @@ def _floats(text: str, what: str, n: int | None = None,
 
 
 def _workloads(names: list[str]) -> tuple[str, ...]:
-    bad = [w for w in names if w not in WORKLOADS]
+    bad = [w for w in names if w not in WORKLOADS + GENERATED]
     if bad:
-        raise ReplayError(f"unknown workload {bad[0]!r}; known: {', '.join(WORKLOADS)}")
+        raise ReplayError(f"unknown workload {bad[0]!r}; known: "
+                          f"{', '.join(WORKLOADS + GENERATED)}")
     return tuple(dict.fromkeys(names))
 
 
@@ -62,6 +64,8 @@ def _one_workload(names: list[str]) -> str:
     wl = _workloads(names)
     if len(wl) != 1:
         raise ReplayError(f"--engine replays one workload at a time, got {', '.join(wl)}")
+    if wl[0] not in WORKLOADS:
+        raise ReplayError(f"--engine replays {', '.join(WORKLOADS)}; {wl[0]} is for --simulate")
     return wl[0]
 
 
@@ -76,11 +80,12 @@ def _gap_classes(text: str) -> str:
 def _policies(text: str) -> tuple[str, ...]:
     from kvtier.eviction import EVICTION_POLICIES
     pols = tuple(p.strip() for p in text.split(",") if p.strip())
-    unknown = [p for p in pols if p not in EVICTION_POLICIES or p == "belady"]
+    unknown = [p for p in pols if p.removesuffix("+select") not in EVICTION_POLICIES
+               or p == "belady" or (p.endswith("+select") and p != "agentic+select")]
     if unknown or not pols:
         raise ReplayError(f"unknown or implicit policy {(unknown or [text])[0]!r}; choose "
-                          f"from {', '.join(k for k in EVICTION_POLICIES if k != 'belady')} "
-                          "(belady and the infinite cache always run)")
+                          f"from {', '.join(k for k in EVICTION_POLICIES if k != 'belady')}, "
+                          "agentic+select (belady and the infinite cache always run)")
     return pols
 
 
@@ -89,7 +94,8 @@ def replay(
     engine: Optional[str] = typer.Option(None, help="replay through engines: vllm (real) | "
                                          "sim (simulated, real store)"),
     workload: list[str] = typer.Option(list(WORKLOADS), "--workload", "-w",
-                                       help="synthetic | weka | conversation (repeatable)"),
+                                       help="synthetic | weka | conversation, or generated "
+                                       "(simulate): forks | chat | rag (repeatable)"),
     policies: str = typer.Option("lru,s3fifo,arc,agentic", help="policies besides belady"),
     capacities: str = typer.Option("0.005,0.01,0.02,0.05,0.1,0.2,0.4",
                                    help="capacities as fractions of the unique footprint"),
@@ -102,7 +108,8 @@ def replay(
     live: int = typer.Option(0, min=0, help="synthetic: sessions in progress at once "
                              "(0: all)"),
     weka_live: int = typer.Option(32, min=1, help="weka: sessions in progress at once"),
-    seed: int = typer.Option(0, help="seed of the synthetic workload and the weka order"),
+    seed: int = typer.Option(0, help="seed of the synthetic and generated workloads and the "
+                             "weka order"),
     bytes_per_token: int = typer.Option(131_072, min=1, help="KV bytes per token"),
     prefill_tps: float = typer.Option(20_000.0, min=1.0, help="prefill tokens per second"),
     jobs: int = typer.Option(min(2, os.cpu_count() or 1), min=1, help="worker processes"),
@@ -116,6 +123,9 @@ def replay(
     gap_classes: str = typer.Option("trace", "--gap-classes", help="simulate: what each "
                                     "turn's end tells of the wait: trace (the stop reason "
                                     "and output types) | tool-user | none"),
+    time_scale: float = typer.Option(1.0, "--time-scale", min=1e-3, max=1e3,
+                                     help="simulate: multiply arrival times (0.1 compresses "
+                                     "a trace 10x, 10 stretches it)"),
     gap_info: bool = typer.Option(False, "--gap-info", help="simulate: add how much of "
                                   "each workload's gaps what a server knows at a turn's "
                                   "end explains, as the --gap-oracle sigma it equals"),
@@ -199,7 +209,7 @@ def replay(
                                                seed=seed, prefill_tokens_per_s=prefill_tps),
         weka_live=weka_live, seed=seed, jobs=jobs, online_bound=online_bound,
         gap_oracle=_floats(gap_oracle, "--gap-oracle", zero_ok=True) if gap_oracle else (),
-        gap_classes=_gap_classes(gap_classes), gap_info=gap_info,
+        gap_classes=_gap_classes(gap_classes), gap_info=gap_info, time_scale=time_scale,
         sim=SimParams(bytes_per_token=bytes_per_token, prefill_tokens_per_s=prefill_tps))
     console = Console(width=max(Console().width, 130))  # tables stay readable in logs
     with Progress("[progress.description]{task.description}", BarColumn(),

@@ -50,9 +50,14 @@ class OracleFuture:
         return self.nu[key]
 
 
+SELECT = "+select"  # a policy name's suffix: agentic with online selection on
+
+
 def policy_config(kind_or_cfg):
+    """A policy config from a config or a name (`agentic+select`: agentic, `select: true`)."""
     if isinstance(kind_or_cfg, str):
-        return EVICTION_KINDS[kind_or_cfg](kind=kind_or_cfg)
+        kind, select = kind_or_cfg.removesuffix(SELECT), kind_or_cfg.endswith(SELECT)
+        return EVICTION_KINDS[kind](kind=kind, **({"select": True} if select else {}))
     return kind_or_cfg
 
 
@@ -135,6 +140,7 @@ class Replay:
                 break
             h += 1
         meta, access = self.tracker.meta, self.policy.on_access
+        self.policy.on_lookup(segs, t, meta, self.size.__getitem__)
         for j in range(h - 1, -1, -1):
             access(segs[j], t, meta(segs[j]))
         return h, turn.session

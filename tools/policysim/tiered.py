@@ -72,6 +72,8 @@ class TieredReplay(Replay):
                 break
             h += 1
         meta = self.tracker.meta
+        for pol in self.policies:
+            pol.on_lookup(segs, t, meta, self.size.__getitem__)
         dram_blocks = 0
         for j in range(h - 1, -1, -1):
             s = segs[j]

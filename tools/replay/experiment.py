@@ -110,7 +110,8 @@ def build_plan(spec: EngineSpec, sessions: int) -> Plan:
             system_tokens=round(20_000 * s), first_input_tokens=round(10_000 * s),
             turn_input_tokens=round(2_048 * s), output_tokens=round(900 * s),
             prefill_tokens_per_s=20_000 * s, block_tokens=spec.chunk_tokens, seed=spec.seed))
-        return make_plan(work, pspec, scale=1.0)
+        # generated at `s` of the full workload's token counts: that is the plan's scale
+        return replace(make_plan(work, pspec, scale=1.0), scale=s)
     if spec.workload == "weka":
         trace_block = max(64, round(spec.chunk_tokens / spec.scale / 64) * 64)
         work = load_weka(spec.traces / "weka_cc_traces", trace_block,
@@ -161,7 +162,8 @@ def run_engine_replay(spec: EngineSpec, ui) -> dict:
         run = {"instances": n, "sessions": plan.sessions, "requests": len(plan),
                "plan": plan.name, "scale": plan.scale, "kv_tokens": kv_tok,
                "max_model_len": max_len, "working_set_bytes": sizing.working_set_bytes,
-               "input_tokens": int(plan.input_tokens.sum()), "configs": {}}
+               "input_tokens": int(plan.input_tokens.sum()),
+               "reuse_bound_pct": round(plan.reuse_bound(), 2), "configs": {}}
         ctx = RunCtx(spec, plan, sizing, n, max_len, kv_tok)
         run["configs"] = _run_all(ctx, cfgs, ui)
         runs.append(run)

@@ -100,6 +100,22 @@ class Plan:
         """Block keys of request `i` for the simulated engine (chained over block ids)."""
         return make_keys(ns_fingerprint, _chain_hashes(self.seed, tuple(self.chain(i))))
 
+    def reuse_bound(self) -> float:
+        """% of input tokens an infinite cache could serve: each request's leading blocks
+        that an earlier request (by arrival) already had. The rest is seen for the first
+        time, and no cache hits it; a short run's first turns are a large share of it."""
+        seen: set[int] = set()
+        hit = 0
+        for i in np.argsort(self.arrival_s, kind="stable"):
+            chain = self.chain(int(i))
+            lead = 0
+            while lead < len(chain) and int(chain[lead]) in seen:
+                lead += 1
+            hit += lead * self.block_tokens
+            seen.update(int(b) for b in chain)
+        total = int(self.input_tokens.sum())
+        return 100.0 * hit / total if total else 0.0
+
     def context_tokens(self) -> int:
         """Tokens of every distinct block: what an infinite cache ends up holding."""
         return self.unique_blocks * self.block_tokens

@@ -19,6 +19,25 @@ from kvtier.tools.replay.metrics import ratios
 MiB = 1 << 20
 
 
+# What each kind of configuration is, for the tables' footnotes and the plots' legends.
+KINDS = {"kvtier": ("pool + disk tiers", "the DRAM pool, then nvme and the shared dir"),
+         "dram-only": ("pool only", "the DRAM pool alone, no disk tier"),
+         "local": ("no kvtier", "each vLLM instance's own prefix cache only, no kvtier")}
+
+
+def legend(label: str, c: dict) -> str:
+    """A plot's name for configuration `label`: the label and what it is."""
+    return f"{label} ({KINDS.get(c['kind'], (c['kind'], ''))[0]})"
+
+
+def _footnote(run: dict) -> str:
+    kinds = {c["kind"] for c in run["configs"].values()}
+    lines = [f"  {k}: {KINDS[k][1]}" + (" (DRAM pool: % of the working set, the bytes "
+                                         "of every distinct block)" if k == "kvtier" else "")
+             for k in KINDS if k in kinds]
+    return "\n".join(lines)
+
+
 def _ms(s: float | None) -> str:
     return "" if s is None else f"{s * 1e3:,.0f}"
 
@@ -34,6 +53,7 @@ def render(report: dict, console: Console) -> None:
             f"contexts {o['kv_ratio']:.1f}x it; working set "
             f"{run['working_set_bytes'] / MiB:,.0f} MiB")
         console.print(_compare(run))
+        console.print(_footnote(run))
         if "local" in run["configs"]:
             for label, c in run["configs"].items():
                 if c["kind"] != "local":
@@ -116,73 +136,96 @@ def _targets(targets: list[dict]) -> Table:
     return t
 
 
-def plot(report: dict, out_dir: Path) -> list[Path]:
-    """Write the PNGs; returns their paths."""
+def figures(report: dict) -> list[tuple[str, object]]:
+    """(file name, matplotlib figure) of each plot of the report."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    out_dir.mkdir(parents=True, exist_ok=True)
     run = report["runs"][-1]
-    paths = [_per_turn_plot(plt, run, out_dir), _dram_plot(plt, run, out_dir)]
+    out = [_per_turn_plot(plt, run), _dram_plot(plt, run)]
     if len(report["runs"]) > 1:
-        paths.append(_sweep_plot(plt, report["runs"], out_dir))
-    return [p for p in paths if p is not None]
+        out.append(_sweep_plot(plt, report["runs"]))
+    return out
 
 
-def _per_turn_plot(plt, run: dict, out_dir: Path) -> Path:
+def plot(report: dict, out_dir: Path) -> list[Path]:
+    """Write the PNGs; returns their paths."""
+    import matplotlib.pyplot as plt
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fig in figures(report):
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        paths.append(out_dir / name)
+    return paths
+
+
+def _per_turn_plot(plt, run: dict) -> tuple[str, object]:
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for label, c in run["configs"].items():
         turns = [r["turn"] for r in c["per_turn"]]
-        a.plot(turns, [r["hit_rate"] for r in c["per_turn"]], marker="o", ms=3, label=label)
+        a.plot(turns, [r["hit_rate"] for r in c["per_turn"]], marker="o", ms=3,
+               label=legend(label, c))
         b.plot(turns, [r["ttft_p50_s"] * 1e3 for r in c["per_turn"]], marker="o", ms=3,
-               label=label)
+               label=legend(label, c))
     a.set(xlabel="turn", ylabel="token hit rate %", ylim=(0, 100), title="hit rate per turn")
-    b.set(xlabel="turn", ylabel="TTFT P50 (ms)", yscale="log", title="TTFT per turn")
+    b.set(xlabel="turn", ylabel="TTFT P50 (ms, log scale)", yscale="log",
+          title="time to first token per turn")
+    _plain_ticks(b.yaxis)
     a.legend(fontsize=8)
     b.legend(fontsize=8)
-    fig.suptitle(f"{run['instances']} instances, {run['plan']}")
+    fig.suptitle(f"{run['instances']} instances, {run['plan']} (scale {run['scale']:g})")
     fig.tight_layout()
-    path = out_dir / f"per_turn_n{run['instances']}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return f"per_turn_n{run['instances']}.png", fig
 
 
-def _dram_plot(plt, run: dict, out_dir: Path) -> Path:
+def _dram_plot(plt, run: dict) -> tuple[str, object]:
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for kind in ("kvtier", "dram-only"):
         pts = sorted((c["dram_frac"] * 100, c["overall"]["hit_rate"])
                      for c in run["configs"].values() if c["kind"] == kind)
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=kind)
+            ax.plot(*zip(*pts), marker="o", label=f"{kind}: {KINDS[kind][1]}")
     local = next((c for c in run["configs"].values() if c["kind"] == "local"), None)
     if local:
-        ax.axhline(local["overall"]["hit_rate"], ls="--", c="gray", label="local only")
-    ax.set(xlabel="DRAM pool, % of the working set", ylabel="token hit rate %",
-           ylim=(0, 100), title="hit rate against DRAM size")
-    ax.legend()
+        ax.axhline(local["overall"]["hit_rate"], ls="--", c="gray",
+                   label="local: vLLM's own prefix cache only")
+    if run.get("reuse_bound_pct") is not None:
+        ax.axhline(run["reuse_bound_pct"], ls=":", c="black",
+                   label="an infinite cache (what this workload reuses)")
+    top = max([100.0] + [100 * c["dram_frac"] for c in run["configs"].values()
+                         if c["dram_frac"] is not None])
+    ax.set(xlabel="DRAM pool, % of the working set (every distinct block)",
+           ylabel="token hit rate %", xlim=(0, top * 1.05), ylim=(0, 100),
+           title="hit rate against the DRAM pool's size")
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    path = out_dir / f"hit_vs_dram_n{run['instances']}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return f"hit_vs_dram_n{run['instances']}.png", fig
 
 
-def _sweep_plot(plt, runs: list[dict], out_dir: Path) -> Path:
+def _plain_ticks(axis) -> None:
+    """Log-axis ticks as plain numbers (600, not 6x10^2)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_locator(LogLocator(subs=(1.5, 2, 3, 5, 7)))
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+
+
+def _sweep_plot(plt, runs: list[dict]) -> tuple[str, object]:
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     ns = [r["instances"] for r in runs]
-    for label in runs[0]["configs"]:
+    for label, c in runs[0]["configs"].items():
         o = [r["configs"][label]["overall"] for r in runs]
-        a.plot(ns, [x["hit_rate"] for x in o], marker="o", label=label)
-        b.plot(ns, [x["throughput_tps"] for x in o], marker="o", label=label)
+        a.plot(ns, [x["hit_rate"] for x in o], marker="o", label=legend(label, c))
+        b.plot(ns, [x["throughput_tps"] for x in o], marker="o", label=legend(label, c))
     first = runs[0]["configs"][next(iter(runs[0]["configs"]))]["overall"]["throughput_tps"]
     b.plot(ns, [first * n / ns[0] for n in ns], ls="--", c="gray", label="linear")
     a.set(xlabel="instances", ylabel="token hit rate %", ylim=(0, 100), xscale="log")
-    b.set(xlabel="instances", ylabel="throughput (tokens/s)", xscale="log", yscale="log")
+    b.set(xlabel="instances", ylabel="throughput (tokens/s, log scale)", xscale="log",
+          yscale="log")
+    for axis in (a.xaxis, b.xaxis, b.yaxis):
+        _plain_ticks(axis)
     a.legend(fontsize=8)
     b.legend(fontsize=8)
     fig.tight_layout()
-    path = out_dir / "scaling.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return "scaling.png", fig
