@@ -67,14 +67,14 @@ def architecture(vllm_config: Any) -> str:
 
 def kv_shape(kv_cache_config: Any, architecture: str = "this model") -> KVShape:
     """Read the geometry from vLLM's `KVCacheConfig`; one attention group is supported."""
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MLAAttentionSpec,
+    from vllm.v1.kv_cache_interface import (AttentionSpec, MLAAttentionSpec,
                                             compute_layer_kv_cache_shape_bytes)
 
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
         kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
         raise ConfigError(f"kvtier cannot serve {architecture}: its KV cache groups are "
-                          f"[{kinds}], kvtier stores one full-attention or MLA group; serve "
+                          f"[{kinds}], kvtier stores one attention or MLA group; serve "
                           "it without the kvtier connector")
     spec = groups[0].kv_cache_spec
     names = set(groups[0].layer_names)
