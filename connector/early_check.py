@@ -11,7 +11,8 @@ policy file, the policy), so a bad setting stops vLLM right there: under vLLM's 
 line (`vllm serve`, `python -m vllm.entrypoints...`) with kvtier's one-line message and exit
 code 3, no traceback; in a program that builds `LLM(...)` as the `ConfigError` it can catch.
 Where no such caller is found (another vLLM, another caller), nothing is checked here and
-the connector checks at construction, as before.
+the connector checks at construction, as before. The model is checked the same way: a model
+kvtier cannot serve (`refusal`) stops the start with one line naming its architecture.
 """
 
 from __future__ import annotations
@@ -23,16 +24,44 @@ _DEPTH = 12
 
 
 def check_lookup() -> None:
-    """Validate the extra config of the `KVTransferConfig` a caller is looking us up for."""
+    """Validate the extra config of the `KVTransferConfig` a caller is looking us up for,
+    and the model of the `VllmConfig` being built around it, if a caller holds one."""
     frame = sys._getframe(2)
+    cfg = None
     for _ in range(_DEPTH):
         if frame is None:
-            return
-        cfg = frame.f_locals.get("kv_transfer_config")
-        if type(cfg).__name__ == "KVTransferConfig":
-            _check(getattr(cfg, "kv_connector_extra_config", None))
+            break
+        if cfg is None:
+            found = frame.f_locals.get("kv_transfer_config")
+            if type(found).__name__ == "KVTransferConfig":
+                cfg = found
+                _check(getattr(cfg, "kv_connector_extra_config", None))
+        vllm_config = frame.f_locals.get("self")
+        if cfg is not None and type(vllm_config).__name__ == "VllmConfig":
+            _refuse(refusal(getattr(vllm_config, "model_config", None)))
             return
         frame = frame.f_back
+
+
+def refusal(model_config) -> str | None:
+    """Why kvtier cannot serve the model of `model_config` (one line), or None if it can.
+
+    Models with recurrent state (state-space or linear-attention layers beside attention:
+    Jamba, Qwen3-Next, NemotronH, Granite 4.0-H, ...) keep per-request state that kvtier
+    does not store, so a hit would restore attention KV without it."""
+    if model_config is None:
+        return None
+    try:
+        hybrid, free = bool(model_config.is_hybrid), bool(model_config.is_attention_free)
+    except AttributeError:  # another vLLM, or a config still being built: checked later
+        return None
+    if not (hybrid or free):
+        return None
+    archs = getattr(model_config, "architectures", None) or ["this model"]
+    what = "has no attention KV" if free else (
+        "keeps recurrent state (state-space or linear-attention layers) beside its attention")
+    return (f"kvtier cannot serve {archs[0]}: it {what}, and kvtier stores only full-attention "
+            "and MLA KV; serve it without the kvtier connector")
 
 
 def _check(extra) -> None:
@@ -44,11 +73,23 @@ def _check(extra) -> None:
     try:
         parse_extra_config(extra)
     except ConfigError as e:
-        if not _vllm_command_line():
-            raise
-        print(f"kvtier: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(3) from None
+        _refuse(str(e), e)
     _checked.add(key)
+
+
+def _refuse(message: str | None, error: Exception | None = None) -> None:
+    """Stop vLLM with `message`: one line and exit code 3 under vLLM's own command line,
+    a `ConfigError` in a program that builds `LLM(...)`."""
+    if message is None:
+        return
+    from kvtier.store.base.errors import ConfigError
+    if not _vllm_command_line():
+        if error is not None:
+            raise error
+        raise ConfigError(message)
+    line = message if message.startswith("kvtier") else f"kvtier: {message}"
+    print(line, file=sys.stderr, flush=True)
+    raise SystemExit(3) from None
 
 
 def _vllm_command_line() -> bool:

@@ -9,6 +9,12 @@ given as prompt embeddings have no token ids to key and bypass kvtier.
 
 Metadata carries keys in the namespace of TP/PP rank 0; each worker swaps in its own
 namespace fingerprint (`rank_keys`), so one scheduler lookup names every rank's blocks.
+
+Each kind of KV cache group has its own payload format (`PAYLOAD_FORMATS`), named in the
+namespace: a block stored by one kind can never be read as another (its key differs, so it
+is a miss). MLA's latent cache (`mla`) is one latent vector per token, the same on every
+TP rank: its namespace leaves the TP rank and size out, so the blocks are stored once (by
+TP rank 0) and every rank reads them.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvtier.connector.layout import PAYLOAD_FORMAT, LayoutError, LayoutInfo
+from kvtier.connector.layout import PAYLOAD_FORMATS, LayoutError, LayoutInfo
 from kvtier.store.base.config import Policy
 from kvtier.store.base.errors import ConfigError
 from kvtier.store.base.keys import NS_HEX, Namespace, block_keys
@@ -34,23 +40,42 @@ class KVShape:
     num_layers: int
     heads: int
     block_size: int
-    content_bytes: int  # bytes per (head, token): K then V
+    content_bytes: int  # bytes per (head, token): K then V (MLA: the latent and rope part)
     dtype: str
+    kind: str = "full"  # a key of PAYLOAD_FORMATS
 
     @property
     def block_bytes(self) -> int:
         return self.num_layers * self.heads * self.block_size * self.content_bytes
 
+    @property
+    def tp_replicated(self) -> bool:
+        """Whether every TP rank holds the same bytes (MLA): stored once, read by all."""
+        return self.kind == "mla"
 
-def kv_shape(kv_cache_config: Any) -> KVShape:
+
+def saves_on_rank(shape: KVShape, tp_rank: int) -> bool:
+    """Whether the worker at `tp_rank` writes its blocks (of replicated KV, rank 0 only)."""
+    return tp_rank == 0 or not shape.tp_replicated
+
+
+def architecture(vllm_config: Any) -> str:
+    """The model's architecture name (for messages), or "this model"."""
+    archs = getattr(getattr(vllm_config, "model_config", None), "architectures", None)
+    return archs[0] if archs else "this model"
+
+
+def kv_shape(kv_cache_config: Any, architecture: str = "this model") -> KVShape:
     """Read the geometry from vLLM's `KVCacheConfig`; one attention group is supported."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, compute_layer_kv_cache_shape_bytes
+    from vllm.v1.kv_cache_interface import (AttentionSpec, MLAAttentionSpec,
+                                            compute_layer_kv_cache_shape_bytes)
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
         kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
-        raise ConfigError(f"kvtier supports models with one attention KV cache group; this "
-                          f"model has [{kinds}]; use a full-attention model")
+        raise ConfigError(f"kvtier cannot serve {architecture}: its KV cache groups are "
+                          f"[{kinds}], kvtier stores one attention or MLA group; serve "
+                          "it without the kvtier connector")
     spec = groups[0].kv_cache_spec
     names = set(groups[0].layer_names)
     layers = sum(len(t.layers) for t in kv_cache_config.kv_cache_tensors
@@ -60,7 +85,8 @@ def kv_shape(kv_cache_config: Any) -> KVShape:
     quant = getattr(spec, "kv_quant_mode", None)
     if quant is not None and getattr(quant, "name", "NONE") != "NONE":
         dtype += f"/{quant.name.lower()}"
-    return KVShape(layers, heads, tokens, content, dtype)
+    kind = "mla" if isinstance(spec, MLAAttentionSpec) else "full"
+    return KVShape(layers, heads, tokens, content, dtype, kind)
 
 
 def make_namespace(vllm_config: Any, shape: KVShape, policy: Policy,
@@ -72,12 +98,13 @@ def make_namespace(vllm_config: Any, shape: KVShape, policy: Policy,
                           f"multiple of vLLM's block size {shape.block_size}; set chunk_tokens "
                           f"to a multiple of it (e.g. {good})")
     par = vllm_config.parallel_config
-    layout = (f"{PAYLOAD_FORMAT}:L{shape.num_layers}:H{shape.heads}:N{shape.block_size}"
-              f":C{shape.content_bytes}")
+    layout = (f"{PAYLOAD_FORMATS[shape.kind]}:L{shape.num_layers}:H{shape.heads}"
+              f":N{shape.block_size}:C{shape.content_bytes}")
+    tp_rank, tp_size = (0, 1) if shape.tp_replicated else (tp_rank, par.tensor_parallel_size)
     return Namespace(model=policy.namespace.model or str(vllm_config.model_config.model),
                      dtype=shape.dtype, layout=layout, block_size=shape.block_size,
                      chunk_tokens=policy.chunk_tokens, tp_rank=tp_rank,
-                     tp_size=par.tensor_parallel_size, pp_rank=pp_rank,
+                     tp_size=tp_size, pp_rank=pp_rank,
                      pp_size=par.pipeline_parallel_size, tenant=policy.namespace.tenant)
 
 

@@ -46,8 +46,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.connector import storeref
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob, StoreEvent
-from kvtier.connector.naming import (kv_shape, make_namespace, request_salt, session_hint,
-                                     token_keys)
+from kvtier.connector.naming import (architecture, kv_shape, make_namespace, request_salt,
+                                     session_hint, token_keys)
 from kvtier.connector.recompute import RecomputeModel, plan_load
 from kvtier.connector.stats import KVTierStats
 from kvtier.connector.tool_calls import detect_tool_call_ids, gap_class
@@ -104,7 +104,7 @@ class _Req:
 
 class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig):
-        self.shape = kv_shape(kv_cache_config)
+        self.shape = kv_shape(kv_cache_config, architecture(vllm_config))
         self.ns = make_namespace(vllm_config, self.shape, cfg.policy)
         self.chunk = cfg.policy.chunk_tokens
         self.m = self.chunk // self.shape.block_size

@@ -26,7 +26,8 @@ from kvtier.connector.io_thread import IOThread, LoadBatch, SaveBatch, stage_sav
 from kvtier.connector.layout import PagedKV
 from kvtier.connector.metadata import (KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob,
                                        StoreEvent)
-from kvtier.connector.naming import check_layout, kv_shape, make_namespace, rank_keys
+from kvtier.connector.naming import (architecture, check_layout, kv_shape, make_namespace,
+                                     rank_keys, saves_on_rank)
 from kvtier.connector.staging import FrameBuffer, StagingPool
 from kvtier.connector.stats import KVTierStats
 from kvtier.store.base import block
@@ -49,8 +50,9 @@ def _ranks() -> tuple[int, int]:
 class WorkerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig):
         self.cfg = cfg
-        self.shape = kv_shape(kv_cache_config)
+        self.shape = kv_shape(kv_cache_config, architecture(vllm_config))
         tp_rank, pp_rank = _ranks()
+        self.saves = saves_on_rank(self.shape, tp_rank)  # replicated KV: rank 0 writes it
         self.rank = pp_rank * vllm_config.parallel_config.tensor_parallel_size + tp_rank
         self.ns = make_namespace(vllm_config, self.shape, cfg.policy, tp_rank, pp_rank)
         self.fingerprint = self.ns.fingerprint()
@@ -178,7 +180,7 @@ class WorkerSide:
         if self._forward is not None:  # the forward is done (on CUDA: queued) by now
             self._timed.append((*self._forward, self._now()))
             self._forward = None
-        if meta.saves:
+        if meta.saves and self.saves:
             self._require_registered()
             for job in meta.saves:
                 self._gather(job)

@@ -1,7 +1,9 @@
 """Real vLLM engines for tests, benchmarks and replays: a tiny random model, one process each.
 
-- `make_tiny_model(dir)`: a 2-layer random Llama saved with `save_pretrained` (no download),
-  deterministic (seeded), so every process that builds it gets the same weights.
+- `make_tiny_model(dir, kind)`: a 2-layer random model (`llama`, `mla`: a DeepSeek-V2 shape,
+  `swa`: a Gemma 3 shape) saved with `save_pretrained` (no download), deterministic
+  (seeded), so every process that builds it gets the same weights
+  (`connector.harness.tiny_models`).
 - `Engine`: a vLLM `LLM` in its own process (`python -m kvtier.connector.harness.engine_host SPEC`),
   driven by JSON lines. `submit` hands it one request at any time, without waiting: the
   engine runs it alongside the others as they come (continuous batching), and the returned
@@ -43,7 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from kvtier.connector.harness.engine_host import TINY_MODEL, make_tiny_model  # noqa: F401 (re-exported)
+from kvtier.connector.harness.tiny_models import (  # noqa: F401 (re-exported)
+    BLOCK_SIZE, ENGINE_ARGS, MODEL_KINDS, TINY_MLA, TINY_MODEL, make_tiny_model)
 from kvtier.store.base.config import kvtier_home
 
 
@@ -59,18 +62,23 @@ def model_dir() -> Path:
 
 
 def prompt_keys(prompt: list[int], policy: dict, dtype: str = "bfloat16",
-                block_size: int = 32) -> list[str]:
+                block_size: int = 32, kind: str = "llama") -> list[str]:
     """The kvtier keys of `prompt`'s full chunks, as KVTierConnector names them for the tiny
-    model served with `policy` (namespace.model set) at rank 0."""
+    model of `kind` served with `policy` (namespace.model set) at rank 0."""
     from types import SimpleNamespace
 
     from kvtier.connector.naming import KVShape, make_namespace
     from kvtier.store.base.config import policy_from_dict
     from kvtier.store.base.keys import block_keys
     elem = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    head = TINY_MODEL["hidden_size"] // TINY_MODEL["num_attention_heads"]
-    shape = KVShape(TINY_MODEL["num_hidden_layers"], TINY_MODEL["num_key_value_heads"],
-                    block_size, 2 * head * elem, dtype)
+    if kind == "mla":  # one latent vector (kv_lora_rank + rope) per token
+        m = TINY_MLA
+        shape = KVShape(m["num_hidden_layers"], 1, block_size,
+                        (m["kv_lora_rank"] + m["qk_rope_head_dim"]) * elem, dtype, "mla")
+    else:
+        head = TINY_MODEL["hidden_size"] // TINY_MODEL["num_attention_heads"]
+        shape = KVShape(TINY_MODEL["num_hidden_layers"], TINY_MODEL["num_key_value_heads"],
+                        block_size, 2 * head * elem, dtype)
     config = SimpleNamespace(model_config=SimpleNamespace(model=policy["namespace"]["model"]),
                              parallel_config=SimpleNamespace(tensor_parallel_size=1,
                                                              pipeline_parallel_size=1))

@@ -1,5 +1,5 @@
-"""The vLLM side of `tools.vllm_engine.Engine`: one vLLM `LLM` in its own process, and the
-tiny random model tests, benchmarks and replays serve.
+"""The vLLM side of `tools.vllm_engine.Engine`: one vLLM `LLM` in its own process (serving
+the tiny random models of `tiny_models`).
 
 `python -m kvtier.connector.harness.engine_host SPEC` builds `LLM(**SPEC)` (token-id prompts, no
 tokenizer, prefix caching on, greedy), replies `{"startup_s"}` on the reply fd named in
@@ -39,25 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TINY_MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536,
-                  initializer_range=0.2, rms_norm_eps=1e-5, tie_word_embeddings=False)
 IDLE_PAUSE_S = 0.001  # after a step that ran nothing (e.g. all waiting for KV loads)
-
-
-def make_tiny_model(path: str | os.PathLike[str], **overrides: Any) -> Path:
-    """Build (once) the tiny random Llama under `path`; returns the path."""
-    path = Path(path)
-    if (path / "config.json").exists():
-        return path
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(1234)
-    model = LlamaForCausalLM(LlamaConfig(**{**TINY_MODEL, **overrides})).to(torch.bfloat16)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    os.replace(tmp, path)
-    return path
 
 
 _REPLIES = None

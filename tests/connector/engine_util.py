@@ -20,16 +20,16 @@ from pathlib import Path
 from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 from kvtier.tools.threads import in_threads
-from kvtier.tools.vllm_engine import (Engine, Output, kvtier_transfer_config, make_tiny_model,
-                                      prompt_keys, random_prompt)
+from kvtier.tools.vllm_engine import (BLOCK_SIZE, Engine, Output, kvtier_transfer_config,
+                                      make_tiny_model, prompt_keys, random_prompt)
 
 BLOCK = 32
 CHUNK = 64
 DTYPE = "float32"
 MODEL_NAME = "tiny-llama"
 
-__all__ = ["BLOCK", "CHUNK", "Cluster", "Engines", "Output", "chunk_keys", "make_tiny_model",
-           "random_prompt", "full_block_tokens", "kvtier_transfer_config", "save_tokenizer"]
+__all__ = ["BLOCK", "BLOCK_SIZE", "CHUNK", "Cluster", "Engines", "Output", "chunk_keys",
+           "make_tiny_model", "random_prompt", "full_block_tokens", "kvtier_transfer_config", "save_tokenizer"]
 
 
 def save_tokenizer(path, special: list[str]) -> dict[str, int]:
@@ -155,9 +155,10 @@ class Engines:
         self._engines.clear()
 
 
-def chunk_keys(prompt: list[int], policy: dict) -> list[str]:
-    """The rank-0 keys of `prompt`'s full chunks under `policy`, as the connector names them."""
-    return prompt_keys(prompt, policy, DTYPE, BLOCK)
+def chunk_keys(prompt: list[int], policy: dict, kind: str = "llama") -> list[str]:
+    """The rank-0 keys of `prompt`'s full chunks under `policy`, as the connector names them
+    for the tiny model of `kind`."""
+    return prompt_keys(prompt, policy, DTYPE, BLOCK_SIZE[kind], kind)
 
 
 def files_of(root: Path, keys: list[str]) -> list[Path]:

@@ -1,7 +1,10 @@
 """`kvtier bench vllm`: time to first token on real vLLM engines, by where the prefix comes from.
 
 Two engine processes with the kvtier connector (nodes `a` and `b`: own index and nvme dir,
-one shared dir, one embedded `mooncake_master`) serve the tiny random model. For each prompt
+one shared dir, one embedded `mooncake_master`) serve the tiny random model of
+`model_kind` (llama, mla, swa). The bytes one token takes in the store are read off a stored
+frame. (On the MLA model vLLM's CPU build keeps no prefix cache of its own: `local` is a hit
+from kvtier on the same node.) For each prompt
 size, with fresh random prompts per measurement:
 
 - cold: `a` prefills a prompt nobody has seen (connector on: lookup miss, saves);
@@ -34,10 +37,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvtier.store.base import block
 from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
-from kvtier.tools.vllm_engine import (Engine, kvtier_transfer_config, make_tiny_model,
-                                      prompt_keys, random_prompt)
+from kvtier.tools.vllm_engine import (BLOCK_SIZE, ENGINE_ARGS, MODEL_KINDS, Engine,
+                                      kvtier_transfer_config, make_tiny_model, prompt_keys,
+                                      random_prompt)
 
 CASES = ("cold", "local", "dram", "nvme", "shared")
 EXPECTED_TIER = {"dram": "dram", "nvme": "nvme", "shared": "shared"}
@@ -58,6 +63,17 @@ class BenchSpec:
     pool: str = "files"
     load: str = "async"  # the connector's `load` setting (async, sync, auto)
     busy: int = 0  # processes spinning a core each beside the engines (a CPU-heavy job)
+    # the tiny model's architecture (`tiny_models`): llama, mla (DeepSeek-V2 shape, its own
+    # block size 16), swa (Gemma 3 shape, sliding window beside full attention)
+    model_kind: str = "llama"
+
+    def __post_init__(self):
+        if self.model_kind not in MODEL_KINDS:
+            raise ValueError(f"model kind must be one of {', '.join(MODEL_KINDS)}, not "
+                             f"{self.model_kind!r}")
+        if self.model_kind != "llama":  # the kind's own block size (CPU_MLA takes 16 only)
+            self.block_size = BLOCK_SIZE[self.model_kind]
+            self.chunk_tokens = max(self.chunk_tokens, self.block_size)
 
 
 @dataclass
@@ -90,7 +106,7 @@ def node_policy(root: Path, node: str, master: str, spec: BenchSpec,
         dram["segment_dir"] = str(segment_dir)
     if service:
         dram |= {"capacity": "2GiB", "service": service, "service_embedded": False}
-    return {"namespace": {"model": "tiny-llama"}, "chunk_tokens": spec.chunk_tokens,
+    return {"namespace": {"model": f"tiny-{spec.model_kind}"}, "chunk_tokens": spec.chunk_tokens,
             "index": {"path": str(root / node / "index"), "map_size": "256MiB"},
             "master": {"address": master, "embedded": False},
             "admission": {"kind": "always"}, "mover": {"promote_on_hit": False},
@@ -105,7 +121,7 @@ def node_policy(root: Path, node: str, master: str, spec: BenchSpec,
 class Bench:
     def __init__(self, root: Path, spec: BenchSpec, progress=print):
         self.root, self.spec, self.say = root, spec, progress
-        self.model = make_tiny_model(root / "model")
+        self.model = make_tiny_model(root / "model", spec.model_kind)
         self.master_cfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
         self.master = EmbeddedMaster(self.master_cfg, log_path=root / "master.log").start()
         self.service = None
@@ -137,7 +153,8 @@ class Bench:
                 kv_transfer_config=kvtier_transfer_config(self.policy(node), node_id=node,
                                                           load=self.spec.load),
                 block_size=self.spec.block_size, dtype=self.spec.dtype,
-                max_model_len=max(self.spec.sizes) + 256, inproc=self.spec.inproc)
+                max_model_len=max(self.spec.sizes) + 256, inproc=self.spec.inproc,
+                engine_args=ENGINE_ARGS[self.spec.model_kind])
         for engine in self.engines.values():  # first requests pay one-time setup costs
             for n in (512, min(self.spec.sizes)):
                 engine.generate([self.prompt(n)], 1)
@@ -168,7 +185,8 @@ class Bench:
         probe = self.policy("probe")
         probe["tiers"] = [t for t in probe["tiers"] if t["kind"] == "sharedfs"]
         keys = [k for p in prompts for k in prompt_keys(p, probe, self.spec.dtype,
-                                                       self.spec.block_size)]
+                                                       self.spec.block_size,
+                                                       self.spec.model_kind)]
         with TieredStore(policy_from_dict(probe), node_id="probe", mover=False) as store:
             deadline = time.monotonic() + timeout_s
             while store.lookup(keys).hit_blocks < len(keys):
@@ -176,6 +194,14 @@ class Bench:
                     raise TimeoutError("the mover did not persist the prompts to sharedfs in "
                                        f"{timeout_s:.0f}s; see {self.root}/engine-a.log")
                 time.sleep(0.2)
+
+    def stored_bytes_per_token(self) -> float:
+        """Bytes one token takes in the store (frame header included), read off a stored
+        frame in the shared tier."""
+        for path in sorted((self.root / "shared").rglob("*.kvb")):
+            header = block.parse_header(path.read_bytes()[:block.HEADER_SIZE])
+            return round(header.frame_len / self.spec.chunk_tokens, 1)
+        return 0.0
 
     def run(self) -> list[Result]:
         results = {n: Result(n) for n in self.spec.sizes}
@@ -245,12 +271,14 @@ def run_bench(spec: BenchSpec, root: Path | None = None, progress=print) -> dict
             bench.start()
             spinning = _spin(spec.busy)
             results = bench.run()
+            per_token = bench.stored_bytes_per_token()
         finally:
             for p in spinning:
                 p.kill()
                 p.wait()
             bench.close()
     return {"spec": asdict(spec), "first_remote_hit_ms": round(bench.first_remote_s * 1e3, 1),
+            "stored_bytes_per_token": per_token,
             "results": [
         asdict(r) | {"median_ms": {c: r.median_ms(c) for c in CASES},
                      "min_ms": {c: r.min_ms(c) for c in CASES},

@@ -30,24 +30,32 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
                                   "auto (sync when the engine runs nothing else)"),
          busy: int = typer.Option(0, min=0, help="processes keeping a core busy each "
                                   "beside the engines (a CPU-heavy job on the host)"),
+         model_kind: str = typer.Option("llama", "--model-kind", help="the tiny random "
+                                        "model: llama, mla (DeepSeek-V2 shape), swa (Gemma 3 "
+                                        "shape: sliding window beside full attention)"),
          dir: Optional[Path] = typer.Option(None, "--dir", help="keep the model, tiers and "
                                             "logs here (default: a temp dir)"),
          json_out: Optional[Path] = typer.Option(None, "--json", help="write the numbers here"),
          ) -> None:
     """TTFT on real vLLM engines: cold, local prefix hit, remote hit from dram/nvme/shared."""
     from kvtier.tools.bench.vllm import BenchSpec, run_bench
+    from kvtier.tools.vllm_engine import MODEL_KINDS
 
+    if model_kind not in MODEL_KINDS:
+        raise typer.BadParameter(f"{model_kind!r}: use one of {', '.join(MODEL_KINDS)}",
+                                 param_hint="--model-kind")
     spec = BenchSpec(sizes=tuple(int(s) for s in sizes.split(",")), repeats=repeats,
                      chunk_tokens=chunk_tokens, dtype=dtype, inproc=not multiproc, pool=pool,
-                     load=load, busy=busy)
+                     load=load, busy=busy, model_kind=model_kind)
     console = Console(width=max(110, Console().width))
     with console.status("kvtier bench vllm") as status:
         doc = run_bench(spec, dir, progress=lambda msg: status.update(f"bench vllm: {msg}"))
     for stat in ("median", "min", "p99"):
         beside = f", {busy} busy cores beside" if busy else ""
         render(console, doc, stat, f"kvtier bench vllm: TTFT in ms ({stat} of {repeats}), "
-                                   f"tiny Llama {dtype}, chunk {chunk_tokens}, pool {pool}, "
-                                   f"load {load}{beside}")
+                                   f"tiny {model_kind} {dtype}, chunk {spec.chunk_tokens}, "
+                                   f"pool {pool}, load {load}{beside}")
+    console.print(f"  stored: {doc['stored_bytes_per_token']} bytes per token")
     console.print(f"  b's first remote hit (maps a's segment; not in the table): "
                   f"{doc['first_remote_hit_ms']} ms, {min(spec.sizes)} tokens")
     for t in doc["targets"]:

@@ -1,0 +1,69 @@
+"""The tiny random models tests, benchmarks and replays serve, one per architecture kind.
+
+Each is built with `transformers` configs and `save_pretrained` (nothing is downloaded),
+seeded, so every process that builds one gets the same weights:
+
+- `llama`: a 2-layer Llama (GQA, full attention: one KV cache group).
+- `mla`: a 2-layer DeepSeek-V2 shape with multi-head latent attention. The latent is
+  `kv_lora_rank` 512 + rope 64: vLLM's CPU MLA kernel compiles only for 576. Dense MLPs only
+  (vLLM's CPU MoE router rejects tiny expert counts). vLLM's CPU build runs it on `CPU_MLA`
+  with block size 16 and turns its own prefix caching off.
+- `swa`: a 2-layer Gemma 3 text shape, one sliding-window layer beside one full-attention
+  layer (two KV cache groups when vLLM's hybrid allocator is on).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+TINY_MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536,
+                  initializer_range=0.2, rms_norm_eps=1e-5, tie_word_embeddings=False)
+TINY_MLA = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=65536,
+                initializer_range=0.2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32,
+                v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4,
+                n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64)
+TINY_SWA = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                max_position_embeddings=65536, initializer_range=0.05, rms_norm_eps=1e-5,
+                sliding_window=128, layer_types=["sliding_attention", "full_attention"],
+                tie_word_embeddings=False)
+# vLLM's block size each kind runs with on the CPU build (CPU_MLA takes 16 only)
+BLOCK_SIZE = {"llama": 32, "mla": 16, "swa": 32}
+MODEL_KINDS = tuple(BLOCK_SIZE)
+# `LLM(...)` arguments each kind needs on the CPU build. The CPU `rotary_embedding` kernel
+# rotated the rope part of some of MLA's latent rows twice (measured: the first tokens an
+# engine computed after a hit, their k_pe turned by a second position), so the MLA model
+# takes vLLM's native rope; with it a hit gives the cold engine's tokens exactly.
+ENGINE_ARGS: dict[str, dict[str, Any]] = {
+    "llama": {}, "swa": {},
+    "mla": {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}}
+
+
+def _build(kind: str, overrides: dict[str, Any]):
+    import transformers as tf
+    if kind == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**{**TINY_MODEL, **overrides}))
+    if kind == "mla":
+        return tf.DeepseekV2ForCausalLM(tf.DeepseekV2Config(**{**TINY_MLA, **overrides}))
+    if kind == "swa":
+        return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**{**TINY_SWA, **overrides}))
+    raise ValueError(f"unknown model kind {kind!r}; use one of {', '.join(MODEL_KINDS)}")
+
+
+def make_tiny_model(path: str | os.PathLike[str], kind: str = "llama", **overrides: Any) -> Path:
+    """Build (once) the tiny random model of `kind` under `path`; returns the path."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    import torch
+    torch.manual_seed(1234)
+    model = _build(kind, overrides).to(torch.bfloat16)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path

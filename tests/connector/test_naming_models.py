@@ -1,0 +1,121 @@
+"""Naming per KV cache group kind: MLA's latent cache is its own geometry, the same on every
+TP rank (stored once, read by all), and models kvtier cannot store are refused in one line."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
+
+from kvtier.connector import naming  # noqa: E402
+from kvtier.connector.config import parse_extra_config  # noqa: E402
+from kvtier.store.base.errors import ConfigError  # noqa: E402
+from kvtier.tools.vllm_engine import TINY_MLA, prompt_keys  # noqa: E402
+
+
+def policy(tmp_path):
+    data = {"namespace": {"model": "tiny"}, "chunk_tokens": 64,
+            "index": {"path": str(tmp_path / "index")},
+            "tiers": [{"name": "shared", "kind": "sharedfs", "path": str(tmp_path / "s"),
+                       "capacity": "1GiB"}]}
+    return parse_extra_config({"policy": data}).policy, data
+
+
+def cache_config(spec, layers=2):
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    tensor = vllm_kv.KVCacheTensor(size=layers * 8 * spec.page_size_bytes, layers=names,
+                                   layer_stride=8 * spec.page_size_bytes,
+                                   block_stride=spec.page_size_bytes)
+    return vllm_kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[tensor],
+                                 kv_cache_groups=[vllm_kv.KVCacheGroupSpec(names, spec)])
+
+
+def mla_spec(latent=576, dtype=torch.float32):
+    return vllm_kv.MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=latent,
+                                    dtype=dtype)
+
+
+def vllm_config(tp=1, pp=1):
+    return SimpleNamespace(model_config=SimpleNamespace(model="/m", architectures=["X"]),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=tp,
+                                                           pipeline_parallel_size=pp))
+
+
+def test_the_latent_cache_is_its_own_geometry(tmp_path):
+    pol, _ = policy(tmp_path)
+    mla = naming.kv_shape(cache_config(mla_spec()))
+    assert (mla.kind, mla.heads, mla.block_size, mla.content_bytes) == ("mla", 1, 16, 576 * 4)
+    ns = naming.make_namespace(vllm_config(), mla, pol)
+    assert ns.layout.startswith("kvtier-mla-v1:") and ns.layout.endswith(":H1:N16:C2304")
+    # a full-attention cache of exactly the same bytes per block is another namespace
+    full = naming.kv_shape(cache_config(vllm_kv.FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=288, dtype=torch.float32)))
+    assert full.kind == "full" and full.block_bytes == mla.block_bytes
+    assert naming.make_namespace(vllm_config(), full, pol).fingerprint() != ns.fingerprint()
+    other = naming.kv_shape(cache_config(mla_spec(latent=512 + 32)))
+    assert naming.make_namespace(vllm_config(), other, pol).fingerprint() != ns.fingerprint()
+
+
+def test_mla_is_named_once_across_tp_ranks_and_written_by_rank_0(tmp_path):
+    pol, _ = policy(tmp_path)
+    mla = naming.kv_shape(cache_config(mla_spec()))
+    fps = {naming.make_namespace(vllm_config(tp=4), mla, pol, tp_rank=r).fingerprint()
+           for r in range(4)}
+    assert fps == {naming.make_namespace(vllm_config(), mla, pol).fingerprint()}
+    assert [naming.saves_on_rank(mla, r) for r in range(4)] == [True, False, False, False]
+    # pipeline stages hold different layers: still one namespace per stage
+    assert naming.make_namespace(vllm_config(tp=2, pp=2), mla, pol, 1, 1).fingerprint() != \
+        naming.make_namespace(vllm_config(tp=2, pp=2), mla, pol, 0, 0).fingerprint()
+    full = naming.kv_shape(cache_config(vllm_kv.FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)))
+    assert len({naming.make_namespace(vllm_config(tp=2), full, pol, tp_rank=r).fingerprint()
+                for r in range(2)}) == 2
+    assert all(naming.saves_on_rank(full, r) for r in range(2))
+
+
+def test_the_harness_names_mla_prompts_as_the_connector_does(tmp_path):
+    pol, data = policy(tmp_path)
+    spec = mla_spec(TINY_MLA["kv_lora_rank"] + TINY_MLA["qk_rope_head_dim"])
+    ns = naming.make_namespace(vllm_config(), naming.kv_shape(cache_config(spec)), pol)
+    prompt = list(range(1, 300))
+    assert prompt_keys(prompt, data, "float32", 16, kind="mla") == \
+        naming.token_keys(ns, prompt, b"")
+
+
+def test_a_model_with_groups_kvtier_cannot_store_is_refused_in_one_line():
+    full = vllm_kv.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                     dtype=torch.float32)
+    mamba = vllm_kv.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+    cfg = vllm_kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        vllm_kv.KVCacheGroupSpec(["a"], full), vllm_kv.KVCacheGroupSpec(["b"], mamba)])
+    with pytest.raises(ConfigError) as e:
+        naming.kv_shape(cfg, "Qwen3NextForCausalLM")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("kvtier cannot serve Qwen3NextForCausalLM")
+    assert "MambaSpec" in msg
+
+
+def test_blocks_of_one_kind_are_a_miss_for_an_engine_of_another(tmp_path):
+    """An MLA engine's stored chunks, looked up by a full-attention engine of the same model
+    name and the same bytes per block: a miss, never bytes to scatter; and the other way."""
+    from kvtier.store.base import block
+    from kvtier.store.tiered import TieredStore
+    from kvtier.tiers.base import MISS
+    pol, _ = policy(tmp_path)
+    mla = naming.kv_shape(cache_config(mla_spec()))
+    full = naming.kv_shape(cache_config(vllm_kv.FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=288, dtype=torch.float32)))
+    tokens = list(range(1, 64 * 4 + 1))
+    mla_keys = naming.token_keys(naming.make_namespace(vllm_config(), mla, pol), tokens, b"")
+    full_keys = naming.token_keys(naming.make_namespace(vllm_config(), full, pol), tokens, b"")
+    payload = bytes(4 * mla.block_bytes)  # one 64-token chunk
+    with TieredStore(pol, node_id="n", mover=False) as store:
+        assert all(store.save(mla_keys, [memoryview(block.encode(k, payload))
+                                         for k in mla_keys]))
+        assert store.lookup(mla_keys).hit_blocks == len(mla_keys)
+        assert store.lookup(full_keys).hit_blocks == 0
+        outs = [memoryview(bytearray(block.HEADER_SIZE + len(payload))) for _ in full_keys]
+        assert store.load(full_keys, outs) == [MISS] * len(full_keys)
