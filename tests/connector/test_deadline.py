@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    Cluster, Engines, chunk_keys, full_block_tokens, make_tiny_model, random_prompt, wait_for)
+    Engines, chunk_keys, full_block_tokens, make_tiny_model, random_prompt, wait_for)
 from kvtier.store.base.config import policy_from_dict  # noqa: E402
 from kvtier.store.base.index import Index  # noqa: E402
 from kvtier.store.counters import read_counters  # noqa: E402
@@ -27,13 +27,6 @@ from kvtier.store.tiered import TieredStore  # noqa: E402
 pytestmark = pytest.mark.vllm
 LONG = 4096
 OLD_STALL_S = 30.0  # what the same load cost before deadlines: Mooncake's own give-up
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("cluster-deadline"))
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")

@@ -30,13 +30,6 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("cluster"))
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
 def engines(tiny_model, cluster, tmp_path_factory):
     # depends on `cluster` so that engines close before the master stops (a client whose
     # master is gone spends seconds retrying to unmount its segment)

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    BLOCK_SIZE, CHUNK, Cluster, Engines, chunk_keys, files_of, make_tiny_model,
+    BLOCK_SIZE, CHUNK, Engines, chunk_keys, files_of, make_tiny_model,
     random_prompt, wait_for)
 
 from kvtier.store.base import block  # noqa: E402
@@ -24,13 +24,6 @@ TOKENS = 16
 LONG = 3000
 BS = BLOCK_SIZE["mla"]
 MODEL = "tiny-mla"
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("cluster"))
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")

@@ -15,19 +15,12 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    BLOCK_SIZE, CHUNK, Cluster, Engines, make_tiny_model, random_prompt)
+    BLOCK_SIZE, CHUNK, Engines, make_tiny_model, random_prompt)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TOKENS = 16
 LONG = 3000
 MODEL = "tiny-swa"
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("cluster"))
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")
