@@ -17,13 +17,14 @@ prefill) of that cost.
 `plan_load` decides, per request, from the tiers each hit chunk lies in, their measured
 read rates (`TieredStore.expected_load_s`) and this model: the prefix of the hit whose
 load beats recomputing it (the rest is recomputed: a tier slower than the engine's prefill
-for those tokens is not worth waiting for), and the load's deadline, the time past which
-waiting is more likely a stall than a slow transfer (a lender that stalls, a lease that
-expires, a transfer engine starved of CPU): a few times what the load should take, at least
-`MIN_SHARE` of the recompute it saves (so a stall costs a request at most that much over a
-recompute), never more than that recompute less a margin for the failover itself. A load
-from a tier never timed yet (the first one, which also sets up the connections) gets the
-whole recompute time.
+for those tokens is not worth waiting for), and the load's deadline: the recompute it
+saves, less a margin for the failover itself. Past it, waiting has cost what recomputing
+would have, so a stall (a lender that stops, a lease that expires) costs a request at most
+about twice a recompute, never the transfer engine's own give-up. Tried first and replaced:
+a deadline of a few times the expected load (at least 15% of the recompute). On the main
+job's replay, four engines saturating two cores slowed loads and prefills alike, the tight
+deadline cut loads that were slow but coming, and the recomputes and re-saves that followed
+raised the TTFT median by 25-40% and the bytes saved 1.5-1.8x (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -41,9 +42,6 @@ WINDOW = 256          # steps the fit looks at
 REFIT_EVERY = 16      # steps between fits
 MIN_STEPS = 8         # steps with tokens before the fit replaces the prior
 PRIOR_STEP_S = 0.002  # a forward's fixed cost until measured
-SLACK = 4.0           # a load may take this many times what it should before it is cut,
-MIN_DEADLINE_S = 0.02  # ... and never less than this (scheduling jitter, a busy CPU),
-MIN_SHARE = 0.15      # ... nor this share of the recompute it saves (a worst case 15% over)
 MARGIN = 0.1          # of the recompute time a load saves: what failing over costs
 
 
@@ -151,9 +149,6 @@ def plan_load(tiers: Sequence[str | None], chunk_tokens: int, first_ctx: int,
             best_p, best_t = p, t
     if best_p == 0:
         return LoadPlan(0, 0.0, 0.0, full)
-    expected, measured = expected_s(tiers[:best_p])
+    expected, _ = expected_s(tiers[:best_p])
     saves = model.predict(best_p * chunk_tokens, first_ctx)
-    cap = saves * (1 - MARGIN)
-    deadline = min(cap, max(MIN_DEADLINE_S, SLACK * expected, MIN_SHARE * saves)) \
-        if measured else cap
-    return LoadPlan(best_p, max(deadline, expected), expected, saves)
+    return LoadPlan(best_p, max(saves * (1 - MARGIN), expected), expected, saves)

@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 from kvtier.tools.threads import in_threads
@@ -109,6 +111,15 @@ class Cluster:
     def close(self) -> None:
         if self.master is not None:
             self.master.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A module's kvtier cluster: one master, a shared dir, per-node indexes and nvme dirs
+    (a module takes it with `from engine_util import cluster`)."""
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    yield c
+    c.close()
 
 
 class Engines:

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    Engines, chunk_keys, full_block_tokens, make_tiny_model, random_prompt, wait_for)
+    cluster, Engines, chunk_keys, full_block_tokens, make_tiny_model, random_prompt, wait_for)
 from kvtier.store.base.config import policy_from_dict  # noqa: E402
 from kvtier.store.base.index import Index  # noqa: E402
 from kvtier.store.counters import read_counters  # noqa: E402
@@ -86,7 +86,9 @@ def test_a_stalled_lender_costs_the_deadline_then_a_recompute_not_a_hit(engines,
     assert kv["recomputed_tokens"] >= 0.9 * full_block_tokens(prompt)
     assert out.token_ids == engines.baseline(prompt, 1).token_ids
     deadline_s = max(kv["load_deadlines_ms"]) / 1e3
-    assert deadline_s < cold  # waiting can cost at most what recomputing saves
+    # waiting costs at most what recomputing saves: the deadline is the recompute b's own
+    # model predicts (less 10%), within a quarter of the one measured beside it
+    assert deadline_s < 1.25 * cold
     assert stalled <= 1.2 * (deadline_s + cold), \
         f"TTFT {stalled:.2f}s with a stalled lender; deadline {deadline_s:.2f}s, cold {cold:.2f}s"
     assert stalled < OLD_STALL_S

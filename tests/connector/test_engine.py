@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    CHUNK, Cluster, Engines, chunk_keys, files_of, full_block_tokens, make_tiny_model,
+    cluster, CHUNK, Cluster, Engines, chunk_keys, files_of, full_block_tokens, make_tiny_model,
     random_prompt, wait_for)
 
 pytestmark = pytest.mark.vllm

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    BLOCK_SIZE, CHUNK, Engines, chunk_keys, files_of, make_tiny_model,
+    cluster, BLOCK_SIZE, CHUNK, Engines, chunk_keys, files_of, make_tiny_model,
     random_prompt, wait_for)
 
 from kvtier.store.base import block  # noqa: E402

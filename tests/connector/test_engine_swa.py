@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    BLOCK_SIZE, CHUNK, Engines, make_tiny_model, random_prompt)
+    cluster, BLOCK_SIZE, CHUNK, Engines, make_tiny_model, random_prompt)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TOKENS = 16

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvtier.connector.recompute import (MARGIN, MIN_DEADLINE_S, MIN_SHARE, SLACK, RecomputeModel,
+from kvtier.connector.recompute import (MARGIN, RecomputeModel,
                                         plan_load)
 
 CHUNK = 256
@@ -59,15 +59,13 @@ def rate(per_chunk_s: float, call_s: float = 0.001, measured: bool = True):
     return lambda tiers: (call_s + per_chunk_s * len(tiers), measured) if tiers else (0.0, True)
 
 
-def test_a_fast_tier_is_loaded_whole_with_a_deadline_a_few_times_its_load():
+def test_a_fast_tier_is_loaded_whole_with_the_recompute_it_saves_as_its_deadline():
     model = fitted()
     plan = plan_load(["dram"] * 64, CHUNK, 0, rate(0.0001), model)
     assert plan.chunks == 64
     saves = model.predict(64 * CHUNK)
-    assert plan.deadline_s == pytest.approx(
-        min(saves * (1 - MARGIN), max(MIN_DEADLINE_S, SLACK * plan.expected_s,
-                                      MIN_SHARE * saves)))
-    assert plan.deadline_s < saves  # never longer than the recompute it saves
+    assert plan.deadline_s == pytest.approx(saves * (1 - MARGIN))
+    assert plan.expected_s < plan.deadline_s < saves  # never longer than the recompute
 
 
 def test_a_tier_slower_than_prefill_is_recomputed_and_a_mixed_hit_is_cut_where_it_slows():
