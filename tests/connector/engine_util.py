@@ -192,3 +192,15 @@ def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition") -> Non
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def cache_config(spec, layers=2):
+    """A `KVCacheConfig` of one group of `spec` over `layers` layers and 8 blocks."""
+    from vllm.v1 import kv_cache_interface as vllm_kv
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    tensor = vllm_kv.KVCacheTensor(size=layers * 8 * spec.page_size_bytes, layers=names,
+                                   layer_stride=8 * spec.page_size_bytes,
+                                   block_stride=spec.page_size_bytes)
+    return vllm_kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[tensor],
+                                 kv_cache_groups=[vllm_kv.KVCacheGroupSpec(names, spec)])

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine_util import cache_config  # (tests/connector is on sys.path)
 from kvtier.connector.config import parse_extra_config
 from kvtier.store.base.errors import ConfigError
 from kvtier.store.base.keys import NS_HEX, is_key
@@ -90,12 +91,7 @@ def test_bad_inline_policy_names_the_policy_field(tmp_path):
 def kv_cache_config(layers=2, block_size=32, heads=2, head=64, dtype=torch.bfloat16):
     spec = vllm_kv.FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head,
                                      dtype=dtype)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    tensor = vllm_kv.KVCacheTensor(size=layers * 8 * spec.page_size_bytes, layers=names,
-                                   layer_stride=8 * spec.page_size_bytes,
-                                   block_stride=spec.page_size_bytes)
-    return vllm_kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[tensor],
-                                 kv_cache_groups=[vllm_kv.KVCacheGroupSpec(names, spec)])
+    return cache_config(spec, layers)
 
 
 def vllm_config(model="/models/tiny", tp=1, pp=1):

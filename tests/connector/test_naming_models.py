@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
 
+from engine_util import cache_config  # noqa: E402  (tests/connector is on sys.path)
 from kvtier.connector import naming  # noqa: E402
 from kvtier.connector.config import parse_extra_config  # noqa: E402
 from kvtier.store.base.errors import ConfigError  # noqa: E402
@@ -22,15 +23,6 @@ def policy(tmp_path):
             "tiers": [{"name": "shared", "kind": "sharedfs", "path": str(tmp_path / "s"),
                        "capacity": "1GiB"}]}
     return parse_extra_config({"policy": data}).policy, data
-
-
-def cache_config(spec, layers=2):
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    tensor = vllm_kv.KVCacheTensor(size=layers * 8 * spec.page_size_bytes, layers=names,
-                                   layer_stride=8 * spec.page_size_bytes,
-                                   block_stride=spec.page_size_bytes)
-    return vllm_kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[tensor],
-                                 kv_cache_groups=[vllm_kv.KVCacheGroupSpec(names, spec)])
 
 
 def mla_spec(latent=576, dtype=torch.float32):

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from test_serve import START_TIMEOUT_S, Server  # noqa: E402  (tests/connector is on sys.path)
+from test_serve import stopped_at_start  # noqa: E402  (tests/connector is on sys.path)
 
 from kvtier.connector.early_check import refusal  # noqa: E402
 
@@ -63,14 +63,6 @@ def test_a_state_space_hybrid_is_refused_while_vllm_builds_its_config(tmp_path):
 @pytest.mark.slow
 def test_a_state_space_hybrid_stops_the_server_in_one_line(tmp_path):
     model = tiny_qwen3_next(tmp_path / "tiny-qwen3-next")
-    server = Server(model, TRANSFER, tmp_path / "server.log")
-    try:
-        server.proc.wait(timeout=START_TIMEOUT_S)
-    finally:
-        server.close()
-    log = server.log_path.read_text(errors="replace")
-    assert server.proc.returncode == 3, log[-3000:]
-    last = log.rstrip().splitlines()[-1]
-    assert last.startswith(WHY), log[-3000:]
-    assert "Traceback" not in log and "Starting to load model" not in log
+    log = stopped_at_start(model, TRANSFER, tmp_path / "server.log")
+    assert log.rstrip().splitlines()[-1].startswith(WHY), log[-3000:]
     assert log.count("cannot serve") == 1

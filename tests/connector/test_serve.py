@@ -202,13 +202,20 @@ def test_a_bad_connector_setting_stops_the_server_before_it_loads_the_model(tmp_
     model = make_tiny_model(tmp_path / "tiny-llama")
     transfer = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
                 "kv_role": "kv_both", "kv_connector_extra_config": extra}
-    server = Server(model, transfer, tmp_path / "server.log")
+    log = stopped_at_start(model, transfer, tmp_path / "server.log")
+    assert log.rstrip().splitlines()[-1].startswith(f"kvtier: {word}")
+    assert log.count(word) == 1  # said once, not once per process
+
+
+def stopped_at_start(model, transfer: dict, log_path) -> str:
+    """The log of a server that kvtier stopped as it started: exit code 3, no traceback, no
+    model loaded."""
+    server = Server(model, transfer, log_path)
     try:
         server.proc.wait(timeout=START_TIMEOUT_S)
     finally:
         server.close()
     log = server.log_path.read_text(errors="replace")
     assert server.proc.returncode == 3, log[-3000:]
-    assert log.rstrip().splitlines()[-1].startswith(f"kvtier: {word}")
     assert "Traceback" not in log and "Starting to load model" not in log
-    assert log.count(word) == 1  # said once, not once per process
+    return log
