@@ -166,6 +166,12 @@ class Engines:
         self._engines.clear()
 
 
+def tiny_engines(tmp_path_factory, name: str = "tiny-llama", kind: str = "llama") -> Engines:
+    """A module's engine pool over a tiny random model of `kind` made in the test."""
+    model = make_tiny_model(tmp_path_factory.mktemp("model") / name, kind)
+    return Engines(model, tmp_path_factory.mktemp("engine-logs"))
+
+
 def chunk_keys(prompt: list[int], policy: dict, kind: str = "llama") -> list[str]:
     """The rank-0 keys of `prompt`'s full chunks under `policy`, as the connector names them
     for the tiny model of `kind`."""

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    cluster, BLOCK_SIZE, CHUNK, Engines, chunk_keys, files_of, make_tiny_model,
+    cluster, BLOCK_SIZE, CHUNK, tiny_engines, chunk_keys, files_of,
     random_prompt, wait_for)
 
 from kvtier.store.base import block  # noqa: E402
@@ -28,8 +28,7 @@ MODEL = "tiny-mla"
 
 @pytest.fixture(scope="module")
 def engines(cluster, tmp_path_factory):
-    model = make_tiny_model(tmp_path_factory.mktemp("model") / MODEL, "mla")
-    pool = Engines(model, tmp_path_factory.mktemp("engine-logs"))
+    pool = tiny_engines(tmp_path_factory, MODEL, "mla")
     yield pool
     pool.close()
 

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    cluster, BLOCK_SIZE, CHUNK, Engines, make_tiny_model, random_prompt)
+    cluster, BLOCK_SIZE, CHUNK, tiny_engines, random_prompt)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TOKENS = 16
@@ -25,8 +25,7 @@ MODEL = "tiny-swa"
 
 @pytest.fixture(scope="module")
 def engines(cluster, tmp_path_factory):
-    model = make_tiny_model(tmp_path_factory.mktemp("model") / MODEL, "swa")
-    pool = Engines(model, tmp_path_factory.mktemp("engine-logs"))
+    pool = tiny_engines(tmp_path_factory, MODEL, "swa")
     yield pool
     pool.close()
 
