@@ -153,7 +153,9 @@ class MooncakeTierConfig(BaseModel):
     capacity_bytes: Size = Field(alias="capacity", gt=0)
     protocol: Literal["tcp", "rdma"] = "tcp"
     device: str = ""
-    local_hostname: str = "127.0.0.1"
+    # The address other hosts reach this process's segment at. Unset: the source address of
+    # this host's route to the master (loopback when the master is on loopback).
+    local_hostname: str | None = None
     buffer_bytes: Size = Field(default=64 << 20, alias="buffer", gt=0)
     staging_bytes: Size = Field(default=64 << 20, alias="staging", gt=0)
     soft_pin: bool = True
