@@ -38,8 +38,8 @@ def cluster(tmp_path_factory):
     finally:
         c.close()
         shutil.rmtree(shm, ignore_errors=True)
-        assert not any(p.name.startswith(c.hosts.bridge_ns[:-2])
-                       for p in netns.NETNS_DIR.glob("kvt*")), "a namespace was left behind"
+        assert not any((netns.NETNS_DIR / n).exists()
+                       for n in [*c.hosts.names, c.hosts.bridge_ns]), "a namespace was left"
 
 
 @pytest.fixture
@@ -124,10 +124,37 @@ def test_hosts_are_swept_when_their_owner_died(tmp_path):
     import sys
     made = subprocess.run([sys.executable, "-c", (
         "from kvtier.tools.hosts.netns import Hosts\n"
-        "import os\nh = Hosts(2)\nprint(h.bridge_ns, flush=True)\nos._exit(0)")],
+        "import os\nh = Hosts(2)\nprint(' '.join([h.bridge_ns, *h.names]), flush=True)\n"
+        "os._exit(0)")],
         capture_output=True, text=True, timeout=60)
-    left = made.stdout.strip()
-    assert (netns.NETNS_DIR / left).exists()  # os._exit skipped the teardown
-    gone = netns.sweep()
-    assert left in gone and not (netns.NETNS_DIR / left).exists()
-    assert not any(p.name.startswith(left[:-2]) for p in netns.NETNS_DIR.glob("kvt*"))
+    left = made.stdout.split()
+    assert all((netns.NETNS_DIR / n).exists() for n in left)  # os._exit skipped the teardown
+    assert set(left) <= set(netns.sweep())
+    assert not any((netns.NETNS_DIR / n).exists() for n in left)
+
+
+def test_the_sim_replay_on_three_hosts_hits_as_on_one_and_counts_cross_host_hits(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvtier.tools.cli import app
+
+    def run(hosts: int) -> dict:
+        path = tmp_path / f"r{hosts}.json"
+        res = CliRunner().invoke(app, [
+            "replay", "--engine", "sim", "--instances", "3", "--hosts", str(hosts),
+            "--sessions", "4", "--turns", "4", "--scale", "0.05", "--baselines", "",
+            "--no-plots", "--out", str(tmp_path / f"out{hosts}"), "--json", str(path)],
+            catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        return json.loads(path.read_text())["runs"][0]["configs"]["kvtier"]
+
+    before = {p.name for p in netns.NETNS_DIR.glob("kvt*")}
+    one, three = run(1), run(3)
+    split = three["pool_hits_by_host"]
+    assert split["cross"] > 0 and split["same"] + split["cross"] > 0
+    assert "pool_hits_by_host" not in one
+    assert abs(three["overall"]["hit_rate"] - one["overall"]["hit_rate"]) <= 0.5
+    assert three["overall"]["hit_by_tier"]["dram"] > 0
+    assert {p.name for p in netns.NETNS_DIR.glob("kvt*")} <= before  # the replay's are gone

@@ -1,12 +1,13 @@
 """Several hosts on one machine: network namespaces joined by a bridge, for tests and replays.
 
-`Hosts(k)` makes k hosts. Host i is the namespace `kvt<pid>h<i>` with loopback up and one
-interface `eth0` at 198.18.0.<i+1>/24 (the benchmarking range, RFC 2544: never routed to a
-real network); the other end of each host's veth pair sits in the namespace `kvt<pid>br`,
-enslaved to a bridge there. No interface is made in the machine's own namespace and no host
-has a default route, so traffic only ever goes between these namespaces or stays on a host's
-own loopback. Each host's processes start under `ip netns exec` (`command`), or a Python
-child enters one with `enter` (before it starts threads: a namespace is per thread).
+`Hosts(k)` makes k hosts. Host i is the namespace `kvt<pid>-<n>h<i>` (cluster n of process
+pid) with loopback up and one interface `eth0` at 198.18.0.<i+1>/24 (the benchmarking range,
+RFC 2544: never routed to a real network); the other end of each host's veth pair sits in a
+namespace of its own (`kvt<pid>-<n>br`), enslaved to a bridge there. No interface is made in
+the machine's own namespace and no host has a default route, so traffic only ever goes
+between these namespaces or stays on a host's own loopback. Each host's processes start
+under `ip netns exec` (`command`), or a Python child enters one with `enter` (before it
+starts threads: a namespace is per thread).
 
 What a host shares with the others is the machine: one filesystem (so `/dev/shm` too: kvtier
 must never take another host's segment file for its own), one clock, one pid space.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import itertools
 import os
 import re
 import shutil
@@ -35,8 +37,9 @@ from kvtier.store.base.index_record import owner_alive
 NETNS_DIR = Path("/run/netns")
 SUBNET = "198.18.0"  # hosts at .1 .. .k; a cluster's addresses are private to its bridge
 MAX_HOSTS = 200
-_NAME = re.compile(r"^kvt(\d+)(h\d+|br)$")
+_NAME = re.compile(r"^kvt(\d+)-(\d+)(h\d+|br)$")
 CLONE_NEWNET = 0x40000000
+_SERIAL = itertools.count()  # several clusters of one process
 STOP_S = 5.0
 
 
@@ -111,7 +114,7 @@ class Hosts:
             raise HostsError(f"hosts must be 1..{MAX_HOSTS}, not {k}")
         sweep()
         self.k = k
-        tag = f"kvt{os.getpid()}"
+        tag = f"kvt{os.getpid()}-{next(_SERIAL)}"
         self.bridge_ns = f"{tag}br"
         self.names = [f"{tag}h{i}" for i in range(k)]
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(k)]

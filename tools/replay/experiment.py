@@ -64,6 +64,7 @@ class EngineSpec:
     traces: Path = Path("../shared/traces")
     out: Path = Path("replay-out")
     calibration: Path | None = None
+    hosts: int = 1                  # instances spread round-robin over this many hosts
 
     def check(self) -> None:
         if self.engine not in ENGINES:
@@ -89,6 +90,17 @@ class EngineSpec:
             raise ReplayError(f"--admission: expected one of {', '.join(ADMISSION_KINDS)}")
         if min(self.instances) < 1 or self.scale <= 0 or self.speed <= 0:
             raise ReplayError("--instances, --scale and --speed must be positive")
+        if self.hosts < 1:
+            raise ReplayError(f"--hosts must be at least 1, got {self.hosts}")
+        if self.hosts > 1:
+            from kvtier.tools.hosts.netns import unavailable
+            why = unavailable()
+            if why:
+                raise ReplayError(f"--hosts {self.hosts}: {why}; or run on one host "
+                                  "(--hosts 1)")
+            if self.engine != "sim":
+                raise ReplayError(f"--hosts {self.hosts} runs with --engine sim only so far; "
+                                  "use --engine sim, or --hosts 1")
 
 
 def bytes_per_token(dtype: str) -> int:

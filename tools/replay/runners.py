@@ -104,9 +104,18 @@ def _run_sim(ctx: RunCtx, cfg: Config, root: Path, ui, update):
     from kvtier.tools.replay.sim import SimRun
     spec, n = ctx.spec, ctx.n
     cal = Calibration.load(spec.calibration)
-    master, workers = None, [None] * n
+    master, workers, hosts = None, [None] * n, None
     try:
-        if cfg.uses_store:
+        if cfg.uses_store and spec.hosts > 1:
+            from kvtier.tools.hosts.cluster import HostCluster
+            # the engines' hosts, and one more for the master
+            hosts = HostCluster(spec.hosts + 1, root / "hosts")
+            hosts.hosts.on_signals()
+            address = hosts.start_master(spec.hosts)
+            ui.say(f"[{cfg.label}] starting {n} simulated instances on {spec.hosts} hosts")
+            workers = _start_workers(root, cfg, ctx.sizing, n, address, spec,
+                                     [hosts.hosts.names[k % spec.hosts] for k in range(n)])
+        elif cfg.uses_store:
             mcfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
             master = EmbeddedMaster(mcfg, log_path=root / "master.log").start()
             ui.say(f"[{cfg.label}] starting {n} simulated instances")
@@ -118,17 +127,25 @@ def _run_sim(ctx: RunCtx, cfg: Config, root: Path, ui, update):
                      ctx.sizing.block_bytes, spec.speed)
         records = sim.run(update)
         usage = [w.call("usage") for w in workers if w is not None]
+        by_host = [w.call("pool_hosts") for w in workers if w is not None and hosts]
     finally:
         for w in workers:
             if w is not None:
                 w.close()
         if master is not None:
             master.stop()
-    return records, {"tier_names": tier_names(cfg), "held": _held(usage),
-                     "model": cal.model.describe(), "calibration": cal.source}
+        if hosts is not None:
+            hosts.close()
+    extra = {"tier_names": tier_names(cfg), "held": _held(usage),
+             "model": cal.model.describe(), "calibration": cal.source}
+    if by_host:
+        extra["pool_hits_by_host"] = {side: sum(b[side] for b in by_host)
+                                      for side in ("same", "cross")}
+    return records, extra
 
 
-def _start_workers(root, cfg, sizing, n, address, spec):
+def _start_workers(root, cfg, sizing, n, address, spec, hosts=None):
+    """`hosts[k]`: the network namespace instance k runs in (None: this one)."""
     from kvtier.tools.replay.sim_worker import SimWorker
     workers = []
     try:
@@ -136,7 +153,8 @@ def _start_workers(root, cfg, sizing, n, address, spec):
             pol = node_policy(root, f"n{k}", address, cfg, sizing, spec.chunk_tokens,
                               spec.eviction, spec.admission)
             workers.append(SimWorker(pol, f"n{k}", sizing.block_bytes,
-                                     str(root / f"instance-n{k}.log")))
+                                     str(root / f"instance-n{k}.log"),
+                                     hosts[k] if hosts else None))
         in_threads([w.ready for w in workers])
     except BaseException:
         for w in workers:
