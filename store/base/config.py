@@ -184,6 +184,9 @@ class MooncakeTierConfig(BaseModel):
     # lender's file and checks what landed in its cache after (README, "Segments in
     # files"); false copies each frame and checks the copy first (~5 ms more per 16K hit).
     read_in_place: bool = True
+    # Count the pool hits whose lender is on another host (`cross_host_hits`, in `inspect`):
+    # one more master query per load, for measurements (`kvtier replay --hosts`).
+    count_lender_hosts: bool = False
     eviction: EvictionConfig | None = None
 
     @model_validator(mode="after")

@@ -122,12 +122,12 @@ class MooncakeTier(Tier):
         """Answer as misses the blocks whose every copy lies with a lender this process
         could not read from lately (`tiers.mooncake.lenders`): promised, they would fail."""
         idx = [i for i, hit in enumerate(present) if hit]
-        ends = self._lenders_of([keys[i] for i in idx])
+        ends = self.lenders_of([keys[i] for i in idx])
         for i, lenders in zip(idx, ends):
             if lenders and all(e in blocked for e in lenders):
                 present[i] = False
 
-    def _lenders_of(self, keys: list[str]) -> list[list[str]]:
+    def lenders_of(self, keys: list[str]) -> list[list[str]]:
         """The endpoints holding a memory copy of each key, as the master says (none for a
         key it does not know, or for all when it cannot say)."""
         try:
@@ -243,7 +243,19 @@ class MooncakeTier(Tier):
                 result[i] = n
         self.stats.add_reads(result, corrupt=len(corrupt))
         self.usage.forget([k for k, n in zip(keys, result) if n == MISS])
+        if self.cfg.count_lender_hosts:
+            self._count_cross_host([k for k, n in zip(keys, result) if n != MISS])
         return result
+
+    def _host(self) -> str:
+        """The host this process announces (with a pool service: the service's)."""
+        return self.client.hostname or host_of(self.client.segment or "")
+
+    def _count_cross_host(self, keys: list[str]) -> None:
+        here = self._host()
+        cross = sum(1 for ends in self.lenders_of(keys) if ends and host_of(ends[0]) != here)
+        if cross:
+            self.stats.add(cross_host_hits=cross)
 
     def lender_failures(self) -> dict[str, int]:
         return self.unreachable.counts()
@@ -259,8 +271,8 @@ class MooncakeTier(Tier):
         names none: the object or its lender is gone), and mark those lenders (for a late
         load, only those on other hosts: `tiers.mooncake.lenders`)."""
         found: collections.Counter[str] = collections.Counter(
-            ends[0] if ends else "unknown" for ends in self._lenders_of(keys))
-        here = self.client.hostname or host_of(self.client.segment or "")
+            ends[0] if ends else "unknown" for ends in self.lenders_of(keys))
+        here = self._host()
         self.unreachable.fail(found, {e for e in found if host_of(e) != here} if late
                               else True)
 

@@ -162,7 +162,7 @@ def replay(
     calibrate: bool = typer.Option(False, "--calibrate", help="measure the real engine for "
                                    "the sim's model (writes --json or OUT/calibration.json)"),
     plots: bool = typer.Option(True, help="engines: write PNG plots"),
-    hosts: int = typer.Option(1, min=1, help="sim: spread the instances round-robin over "
+    hosts: int = typer.Option(1, min=1, help="engines: spread the instances round-robin over "
                               "this many hosts (network namespaces on this machine, a master "
                               "on one more; needs root)"),
     soak: Optional[float] = typer.Option(None, min=0.0, help="sim: soak for this many "

@@ -98,9 +98,13 @@ class EngineSpec:
             if why:
                 raise ReplayError(f"--hosts {self.hosts}: {why}; or run on one host "
                                   "(--hosts 1)")
-            if self.engine != "sim":
-                raise ReplayError(f"--hosts {self.hosts} runs with --engine sim only so far; "
-                                  "use --engine sim, or --hosts 1")
+            if self.engine == "vllm" and self.pool == "service":
+                raise ReplayError(f"--hosts {self.hosts} with --pool service: a pool service "
+                                  "serves the engines of its own host only; use --pool "
+                                  "embedded")
+            if self.side_by_side:
+                raise ReplayError("--hosts runs the configurations one after the other; "
+                                  "drop --side-by-side")
 
 
 def bytes_per_token(dtype: str) -> int:

@@ -14,9 +14,8 @@ connector makes:
   from it). Returns (hit blocks, the tier of each loaded block, load seconds, wrong blocks).
 - `save(keys, all_keys, hint, now)`: write-through of the new chunks, then `finish` with the
   looked-up keys (the end of the turn).
-- on several hosts (`host`: the instance's process enters that network namespace first,
-  `tools.hosts`), `pool_hosts()`: the pool blocks it loaded from lenders on its own host
-  and on other hosts, as the master names each block's lender.
+- `host`: the network namespace the instance's process enters first (`tools.hosts`: one of
+  several hosts on this machine).
 For the soak (`tools.replay.soak.run`): `counters()` (each tier's counters), `frames(tier, n,
 seed)` (where `n` random stored frames of a tier lie: what a fault may corrupt) and
 `scrub(tier, keys)` (read those keys from that tier alone, so corrupt frames are found and
@@ -122,8 +121,7 @@ class SimWorker:
 
 
 class _Instance:
-    def __init__(self, policy: dict, node_id: str, payload_bytes: int,
-                 count_hosts: bool = False):
+    def __init__(self, policy: dict, node_id: str, payload_bytes: int):
         from kvtier.store.base.config import policy_from_dict
         from kvtier.store.tiered import TieredStore
         self.now = 0.0
@@ -133,9 +131,6 @@ class _Instance:
                                  node_id=node_id, mover=False, start_master=False,
                                  clock=lambda: self.now)
         self.arena = block.alloc_aligned(self.slot)
-        # pool blocks loaded from lenders on this host and on others (`pool_hosts`)
-        self.count_hosts = count_hosts
-        self.by_host = {"same": 0, "cross": 0}
 
     def _frames(self, n: int) -> list[memoryview]:
         if len(self.arena) < n * self.slot:
@@ -163,24 +158,7 @@ class _Instance:
                  if n != MISS and not self._is_block_of(key, n, f)]
         good = next((j for j, n in enumerate(got) if n != self.payload), len(got))
         good = min([good, *wrong])
-        tiers = list(found.tiers[local:local + good])
-        if self.count_hosts:
-            self._count_hosts([k for k, t in zip(todo, tiers) if t == "dram"])
-        return local + good, tiers, secs, len(wrong)
-
-    def _count_hosts(self, keys: list[str]) -> None:
-        pool = self.store.by_name.get("dram")
-        if not keys or pool is None:
-            return
-        from kvtier.tiers.mooncake.hostname import host_of
-        here = pool.client.hostname
-        for lenders in pool.lenders_of(keys):
-            if lenders:
-                self.by_host["same" if host_of(lenders[0]) == here else "cross"] += 1
-
-    def pool_hosts(self):
-        """Pool blocks this instance loaded from a lender on its own host and on others."""
-        return dict(self.by_host)
+        return local + good, list(found.tiers[local:local + good]), secs, len(wrong)
 
     def _is_block_of(self, key: str, n: int, frame: memoryview) -> bool:
         """True if the `n`-byte payload loaded into `frame` is the block `save` wrote for
@@ -251,7 +229,7 @@ def _main(conn, policy: dict, node_id: str, payload_bytes: int, log_path: str,
         if host is not None:  # before any thread or socket: a namespace is per thread
             from kvtier.tools.hosts.netns import enter
             enter(host)
-        inst = _Instance(policy, node_id, payload_bytes, count_hosts=host is not None)
+        inst = _Instance(policy, node_id, payload_bytes)
     except Exception as e:  # reported to the coordinator in one line
         conn.send((False, f"cannot open the store: {type(e).__name__}: {e}"))
         return
