@@ -168,6 +168,10 @@ class MooncakeTierConfig(BaseModel):
     # timeout, `MC_TCP_PROGRESS_TIMEOUT_SEC`, set for the process unless already set): a
     # load has given up on it long before (its deadline), and until then it spins a core.
     stall_timeout_s: float = Field(default=2.0, gt=0, le=600)
+    # A lookup the master has not answered in this long is a miss, and the tier is skipped
+    # until the master answers a probe again (at most every second): a master across a
+    # cut link would otherwise hold the lookup for Mooncake's RPC timeout (~30 s).
+    call_timeout_s: float = Field(default=1.0, gt=0, le=600)
     # The node's pool service (Mooncake's standalone `mooncake_client`) at this address:
     # set, this process lends nothing and moves frames through shared memory with the
     # service, which holds the node's segment of `capacity` bytes (the fast path when

@@ -158,3 +158,30 @@ def test_the_sim_replay_on_three_hosts_hits_as_on_one_and_counts_cross_host_hits
     assert abs(three["overall"]["hit_rate"] - one["overall"]["hit_rate"]) <= 0.5
     assert three["overall"]["hit_by_tier"]["dram"] > 0
     assert {p.name for p in netns.NETNS_DIR.glob("kvt*")} <= before  # the replay's are gone
+
+
+def test_a_host_cut_off_from_the_master_serves_from_its_own_tiers_without_waiting(cluster,
+                                                                                 nodes):
+    """Its pool lookups have no answer: bounded by `call_timeout_s` once, then failed at once
+    while the master stays unreachable; its nvme and the shared dir still serve."""
+    node = nodes(1, "alone1")
+    assert node.call("save", seed=7, n=8, size=SIZE)["saved"] == 8
+    assert node.call("flush")["pending"] == 0  # persisted below the pool
+    cluster.hosts.cut(1)
+    try:
+        took = []
+        for _ in range(4):
+            t0 = time.monotonic()
+            got = node.call("load", seed=7, n=8, size=SIZE, deadline_s=DEADLINE_S)
+            took.append(time.monotonic() - t0)
+            assert got["loaded"] == 8 and got["wrong"] == 0 and "dram" not in got["tiers"]
+        assert took[0] < DEADLINE_S and max(took[1:]) < 0.5, took
+        t0 = time.monotonic()
+        assert node.call("save", seed=8, n=4, size=SIZE)["saved"] == 4  # below the pool
+        assert time.monotonic() - t0 < DEADLINE_S
+    finally:
+        cluster.hosts.restore(1)
+    wait_until(lambda: "dram" in node.call("lookup", seed=8, n=1)["tiers"]
+               or node.call("save", seed=9, n=1, size=SIZE) and
+               "dram" in node.call("lookup", seed=9, n=1)["tiers"], 30,
+               "the pool serving the host again")

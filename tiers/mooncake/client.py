@@ -32,6 +32,7 @@ import ctypes
 import os
 import secrets
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,8 @@ OBJECT_HAS_LEASE = -706
 LEASE_EXPIRED = -707         # evicted while we read it
 TRANSFER_FAIL = -800         # the segment holding the object is gone (its client died)
 RPC_FAIL = -900
+PROBE_S = 0.2            # a master that accepts no connection in this long is unreachable
+RECONNECT_EVERY_S = 1.0  # while the master is unreachable, calls fail at once in between
 
 MISS_CODES = frozenset({REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, LEASE_EXPIRED, TRANSFER_FAIL})
 # The master itself is unreachable or has forgotten us (restarted): reconnect.
@@ -129,6 +132,8 @@ class MooncakeClient:
         self.owned_service = None  # a PoolService this client had to start
         self._lock = threading.Lock()  # serializes reconnects and registrations
         self._down = False
+        self._retry_at = 0.0  # while down: no reconnect before this (time.monotonic())
+        self._down_error = ""  # why the last reconnect failed
         self._closed = False
         # Registered buffers sorted by address, as (starts, [(addr, nbytes, owner)]), replaced
         # whole on registration so lock-free readers never see the two lists out of step.
@@ -148,7 +153,7 @@ class MooncakeClient:
         return f"Mooncake master {self.master.address}"
 
     def _ensure_master(self) -> None:
-        if master_answers(self.master.address):
+        if master_answers(self.master.address, PROBE_S):
             return
         if not self.master.embedded:
             raise TierUnavailableError(
@@ -301,19 +306,36 @@ class MooncakeClient:
         if self._closed:
             raise TierError(f"tier {self.cfg.name!r} is closed")
         if self._down:
-            self._reconnect()
+            # A master across a cut link takes a probe's whole timeout to say it is not
+            # there (the SYN is dropped; a master that is down on a reachable host refuses
+            # at once): after such a slow failure, fail at once for RECONNECT_EVERY_S, so
+            # no call waits on it again and again.
+            now = time.monotonic()
+            if now < self._retry_at:
+                raise TierUnavailableError(f"{self._down_error} (retrying within "
+                                           f"{RECONNECT_EVERY_S:g}s)")
+            try:
+                self._reconnect()
+            except TierError as e:
+                if time.monotonic() - now >= PROBE_S:
+                    self._retry_at = time.monotonic() + RECONNECT_EVERY_S
+                    self._down_error = str(e)
+                raise
         handle = self._handle
         with handle.cv:
             handle.active += 1
         return _Session(handle)
 
-    def fail(self, op: str, code: int) -> TierUnavailableError:
-        """Mark the client down after `op` answered `code`; return the error to raise."""
+    def fail(self, op: str, code: int | str) -> TierUnavailableError:
+        """Mark the client down after `op` answered `code` (or a text saying what went
+        wrong); return the error to raise."""
         self._down = True
-        answering = master_answers(self.master.address)
+        answering = master_answers(self.master.address, PROBE_S)
         fix = ("the master answers again: the next call reconnects" if answering else
-               "start it again (`kvtier master`); the next call reconnects")
-        return TierUnavailableError(f"tier {self.cfg.name!r}: {op} failed with code {code}: "
+               "start it again (`kvtier master`) or check the network; the next call "
+               "reconnects")
+        what = f"failed with code {code}" if isinstance(code, int) else code
+        return TierUnavailableError(f"tier {self.cfg.name!r}: {op} {what}: "
                                     f"{self._where()} unreachable; {fix}")
 
     # ---- registered memory ---------------------------------------------------------------

@@ -145,7 +145,9 @@ class Segments:
     read from files: `segment_dir` may be a directory several hosts see (a shared /dev/shm
     of containers, network namespaces on one machine), and another host's file there holds
     no bytes this host may rely on (that host's lender may be cut off or gone). Other hosts
-    go through the transfer engine. A mapping keeps its file's memory alive after the file is unlinked: the directory is
+    go through the transfer engine.
+
+    A mapping keeps its file's memory alive after the file is unlinked: the directory is
     listed again every `REFRESH_S` (and at most every `RESCAN_S` for an endpoint not seen
     yet), and mappings whose file is gone or renamed are dropped then."""
 

@@ -40,6 +40,7 @@ import collections
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Sequence
 
 from kvtier.store.base.block import (HEADER_SIZE, KEY_AT, KEY_LEN, parse_header, verified_len,
@@ -64,6 +65,7 @@ ALREADY_EXISTS = -705
 MIN_RUN = 8                 # fewer frames at one stride are copied, not read in place
 PROBE_EVERY = 16            # a predicted run is checked at every 16th frame's key
 TRANSFER_THREADS = 4        # transfers of concurrent calls in flight at once
+LOOKUP_THREADS = 2          # lookups in flight at once (one may hang on a cut link)
 STAGING_POLL_S = 0.05       # a call waiting for staging looks for a new area this often
 MAX_SPARE_STAGING = 2       # staging areas added for calls stuck behind late transfers
 
@@ -86,6 +88,8 @@ class MooncakeTier(Tier):
         # Several: a transfer stuck on a stalled lender must not hold up the next call.
         self._worker = ThreadPoolExecutor(TRANSFER_THREADS,
                                           thread_name_prefix=f"kvtier-{cfg.name}")
+        self._lookups = ThreadPoolExecutor(LOOKUP_THREADS,
+                                           thread_name_prefix=f"kvtier-{cfg.name}-lookup")
         self.usage = PoolUsage(cfg.capacity_bytes, self.client, ctx.master)
         self.unreachable = Lenders()
         # Other processes' segments of this node, read straight from their files.
@@ -102,8 +106,14 @@ class MooncakeTier(Tier):
     def contains(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
-        with self.client.session() as store:
-            codes = store.batch_is_exist(list(keys))
+        # Bounded: a master across a cut link answers nothing for ~30 s (Mooncake's RPC
+        # timeout), and a lookup must never cost more than the recompute it could save.
+        asked = self._lookups.submit(self._exist, list(keys))
+        try:
+            codes = asked.result(timeout=self.cfg.call_timeout_s)
+        except FutureTimeout:
+            raise self.client.fail("batch_is_exist", "had no answer within "
+                                   f"{self.cfg.call_timeout_s:g}s (call_timeout_s)") from None
         out = []
         for key, code in zip(keys, codes):
             if is_down(code):
@@ -137,6 +147,10 @@ class MooncakeTier(Tier):
             descs = {}
         return [[d.get_memory_descriptor().buffer_descriptor.transport_endpoint
                  for d in descs.get(key, ()) if d.is_memory_replica()] for key in keys]
+
+    def _exist(self, keys: list[str]) -> list[int]:
+        with self.client.session() as store:
+            return store.batch_is_exist(keys)
 
     def put(self, keys: Sequence[str], frames: Sequence[memoryview]) -> list[bool]:
         _check_lengths(keys, frames)
@@ -430,6 +444,7 @@ class MooncakeTier(Tier):
         return self.client.alloc_shared(nbytes)
 
     def close(self) -> None:
+        self._lookups.shutdown(wait=False)  # a lookup left hanging ends with its RPC
         self._worker.shutdown(wait=True)
         self.client.close()
         if self.segments is not None:

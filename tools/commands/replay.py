@@ -169,7 +169,8 @@ def replay(
                                          "minutes of wall time under faults (kvtier only)"),
     fault_every: float = typer.Option(60.0, min=0.1, help="soak: seconds between faults"),
     faults: str = typer.Option("process-kill,master-restart,disk-full,corrupt-file",
-                               help="soak: the faults, injected in this rotation"),
+                               help="soak: the faults, injected in this rotation (with "
+                               "--hosts also link-cut and host-kill)"),
 ) -> None:
     """Replay traces against eviction policies (`--simulate`) or engines (`--engine`)."""
     from kvtier.tools.commands import replay_engine as ce
@@ -186,7 +187,7 @@ def replay(
             speed=speed, dram=_floats(dram, "--dram"), baselines=(), kv_ratio=kv_ratio,
             kv_tokens=kv_tokens, max_output=max_output, max_context=max_context, dtype=dtype,
             eviction=eviction, admission=admission, seed=seed, traces=traces, out=out,
-            calibration=calibration))
+            calibration=calibration, hosts=hosts))
     if engine is not None:
         ce.run_and_show(ce.EngineSpec(
             engine=engine, workload=_one_workload(workload),

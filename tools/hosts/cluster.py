@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from kvtier.store.base.errors import MasterError
 from kvtier.tools.hosts.netns import Hosts, HostsError
 
 MASTER_PORT = 50051
@@ -168,3 +169,32 @@ class HostNode:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+
+
+class HostMaster:
+    """The cluster's master as a fault injector drives one: `address`, `kill`, `stop`,
+    `start` (again on the same host and address)."""
+
+    def __init__(self, cluster: HostCluster, i: int):
+        self.cluster, self.i = cluster, i
+
+    @property
+    def address(self) -> str:
+        return self.cluster.master_address
+
+    def start(self) -> "HostMaster":
+        try:
+            self.cluster.start_master(self.i)
+        except HostsError as e:  # the injector retries a master that fails to start
+            raise MasterError(str(e)) from None
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL `kvtier master` (its mooncake_master dies with it)."""
+        proc = self.cluster.master
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def stop(self) -> None:
+        self.kill()

@@ -15,7 +15,9 @@ connector makes:
 - `save(keys, all_keys, hint, now)`: write-through of the new chunks, then `finish` with the
   looked-up keys (the end of the turn).
 - `host`: the network namespace the instance's process enters first (`tools.hosts`: one of
-  several hosts on this machine).
+  several hosts on this machine); `deadline_s`: loads give up after this many seconds of
+  wall time (`TieredStore.load_within`: a lender cut off never holds a request), what is
+  not in by then is a miss.
 For the soak (`tools.replay.soak.run`): `counters()` (each tier's counters), `frames(tier, n,
 seed)` (where `n` random stored frames of a tier lie: what a fault may corrupt) and
 `scrub(tier, keys)` (read those keys from that tier alone, so corrupt frames are found and
@@ -60,11 +62,11 @@ class SimWorker:
     """The coordinator's handle on one instance process (spawned; calls are synchronous)."""
 
     def __init__(self, policy: dict, node_id: str, payload_bytes: int, log_path: str,
-                 host: str | None = None):
+                 host: str | None = None, deadline_s: float | None = None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_main, args=(child, policy, node_id, payload_bytes,
-                                                    log_path, host),
+                                                    log_path, host, deadline_s),
                                 name=f"kvtier-sim-{node_id}", daemon=True)
         self.log_path = log_path
         self.proc.start()
@@ -121,7 +123,8 @@ class SimWorker:
 
 
 class _Instance:
-    def __init__(self, policy: dict, node_id: str, payload_bytes: int):
+    def __init__(self, policy: dict, node_id: str, payload_bytes: int,
+                 deadline_s: float | None = None):
         from kvtier.store.base.config import policy_from_dict
         from kvtier.store.tiered import TieredStore
         self.now = 0.0
@@ -131,6 +134,7 @@ class _Instance:
                                  node_id=node_id, mover=False, start_master=False,
                                  clock=lambda: self.now)
         self.arena = block.alloc_aligned(self.slot)
+        self.deadline_s = deadline_s
 
     def _frames(self, n: int) -> list[memoryview]:
         if len(self.arena) < n * self.slot:
@@ -152,7 +156,14 @@ class _Instance:
             return found.hit_blocks, [], 0.0, 0
         t = time.perf_counter()
         frames = self._frames(len(todo))
-        got = self.store.load(todo, frames)
+        if self.deadline_s is None:
+            got = self.store.load(todo, frames)
+        else:
+            out = self.store.load_within(todo, frames, list(found.tiers[local:found.hit_blocks]),
+                                         time.monotonic() + self.deadline_s)
+            got = out.lengths
+            if out.pending:  # a transfer left behind still writes into these frames
+                self.arena = block.alloc_aligned(len(self.arena))
         secs = time.perf_counter() - t
         wrong = [j for j, (key, n, f) in enumerate(zip(todo, got, frames))
                  if n != MISS and not self._is_block_of(key, n, f)]
@@ -220,7 +231,7 @@ class _Instance:
 
 
 def _main(conn, policy: dict, node_id: str, payload_bytes: int, log_path: str,
-          host: str | None = None) -> None:
+          host: str | None = None, deadline_s: float | None = None) -> None:
     # Mooncake and tracebacks write to fds 1 and 2: into the instance's log, not the console
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
@@ -229,7 +240,7 @@ def _main(conn, policy: dict, node_id: str, payload_bytes: int, log_path: str,
         if host is not None:  # before any thread or socket: a namespace is per thread
             from kvtier.tools.hosts.netns import enter
             enter(host)
-        inst = _Instance(policy, node_id, payload_bytes)
+        inst = _Instance(policy, node_id, payload_bytes, deadline_s)
     except Exception as e:  # reported to the coordinator in one line
         conn.send((False, f"cannot open the store: {type(e).__name__}: {e}"))
         return

@@ -10,7 +10,13 @@ Faults (`FAULTS`, in this order):
 - `disk-full`: a balloon file fills the tmpfs under the nvme and shared dirs to ENOSPC,
   removed after `hold_s` (skipped, and counted so, when the soak has no tmpfs);
 - `corrupt-file`: bits flipped in, or truncation of, a random sharedfs block file, and bits
-  flipped in a random stored frame of one instance's nvme data file.
+  flipped in a random stored frame of one instance's nvme data file;
+- on several hosts (`hosts`: a `tools.hosts.cluster.HostCluster`), `link-cut`: one
+  instance host (in turn) is taken off the network for `cut_s` and put back; `host-kill`:
+  every process of one instance host is SIGKILLed (a lender gone while others read its
+  blocks) and its instances are started again. The seconds from each one's end (link back,
+  instances up) to the next block served from the pool are its recovery time, as for the
+  master.
 Everything runs on the soak's own thread between two store calls (`tick`), so a master it
 starts lives as long as the soak (a master dies with the thread that started it). The
 corrupted keys are kept (`corrupted`) so that the end of the soak can read them back.
@@ -26,15 +32,23 @@ from kvtier.store.base.errors import MasterError
 from kvtier.tools.replay.soak.faults import Balloon, corrupt_block_file, corrupt_frame
 
 FAULTS = ("process-kill", "master-restart", "disk-full", "corrupt-file")
+HOST_FAULTS = ("link-cut", "host-kill")  # with --hosts
 MASTER_DOWN_S = 3.0
+LINK_CUT_S = 20.0
 DISK_FULL_HOLD_S = 10.0
 MASTER_START_TRIES = 5
 
 
 class Injector:
     def __init__(self, every_s: float, master, nodes: list, disk, shared_root: Path,
-                 rng: random.Random, say, faults: tuple[str, ...] = FAULTS):
+                 rng: random.Random, say, faults: tuple[str, ...] = FAULTS, hosts=None,
+                 node_hosts: dict[str, int] | None = None):
         self.every_s, self.master, self.nodes, self.disk = every_s, master, nodes, disk
+        self.hosts, self.node_hosts = hosts, node_hosts or {}
+        self.instance_hosts = sorted(set(self.node_hosts.values()))
+        self.cut_s = min(LINK_CUT_S, every_s / 2)
+        self.since: dict[str, float] = {}  # fault kind -> when it ended, until a pool hit
+        self.recovery_by_fault: dict[str, list[float]] = {}
         self.shared_root, self.rng, self.say, self.faults = shared_root, rng, say, faults
         self.down_s = min(MASTER_DOWN_S, every_s / 3)
         self.hold_s = min(DISK_FULL_HOLD_S, every_s / 2)
@@ -114,11 +128,50 @@ class Injector:
 
     def on_pool_hit(self, now: float) -> None:
         """A request loaded blocks from the pool: it serves again since the last restart."""
+        for kind, since in list(self.since.items()):
+            self.recovery_by_fault.setdefault(kind, []).append(round(now - since, 2))
+            del self.since[kind]
         if self.up_at is not None:
             self.recovery_s.append(round(now - self.up_at, 2))
             self.say(f"[{now:6.1f} s] pool hits again {now - self.up_at:.1f} s after the "
                      "master came back")
             self.up_at = None
+
+    def _next_host(self, kind: str) -> int | None:
+        if not self.instance_hosts:
+            return None
+        done = self.counts[kind]["injected"]
+        return self.instance_hosts[done % len(self.instance_hosts)]
+
+    def _link_cut(self, now: float) -> None:
+        i = self._next_host("link-cut")
+        if i is None:
+            self._record(now, "link-cut", "one host only (--hosts 1)", skipped=True)
+            return
+        self.hosts.hosts.cut(i)
+        self.pending.append((now + self.cut_s, lambda t, i=i: self._link_back(t, i)))
+        self._record(now, "link-cut", f"host {i} off the network for {self.cut_s:.0f} s")
+
+    def _link_back(self, now: float, i: int) -> None:
+        self.hosts.hosts.restore(i)
+        self.since["link-cut"] = now
+        self.say(f"[{now:6.1f} s] host {i} back on the network")
+
+    def _host_kill(self, now: float) -> None:
+        i = self._next_host("host-kill")
+        if i is None:
+            self._record(now, "host-kill", "one host only (--hosts 1)", skipped=True)
+            return
+        t = time.monotonic()
+        nodes = [n for n in self.nodes if self.node_hosts.get(n.node) == i]
+        for node in nodes:
+            node._bank()  # what its processes counted, before they go
+        killed = self.hosts.hosts.kill(i)
+        self._record(now, "host-kill", f"host {i}: {killed} processes SIGKILLed, its "
+                     f"instances {', '.join(n.node for n in nodes)} started again")
+        for node in nodes:
+            node.host_killed()
+        self.since["host-kill"] = now + time.monotonic() - t  # from its instances being up
 
     def _disk_full(self, now: float) -> None:
         if self.disk.skipped:

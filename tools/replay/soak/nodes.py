@@ -38,8 +38,10 @@ class SoakOver(Exception):
 
 class SoakNode:
     def __init__(self, node_id: str, policy: dict, payload_bytes: int, log_path: str, soak,
-                 rng: random.Random):
+                 rng: random.Random, host: str | None = None, deadline_s: float | None = None):
+        """`host`, `deadline_s`: as `SimWorker`'s (several hosts: the namespace it runs in)."""
         self.node, self.policy, self.log = node_id, policy, log_path
+        self.host, self.deadline_s = host, deadline_s
         self.payload = payload_bytes
         self.soak, self.rng = soak, rng
         self.worker: SimWorker | None = None
@@ -51,7 +53,8 @@ class SoakNode:
 
     def spawn(self) -> None:
         """Start the instance's process (`worker.ready()` waits for its store to open)."""
-        self.worker = SimWorker(self.policy, self.node, self.payload, self.log)
+        self.worker = SimWorker(self.policy, self.node, self.payload, self.log, self.host,
+                                self.deadline_s)
 
     def start(self) -> None:
         """Start the instance and wait until its store is open; a restart keeps trying
@@ -72,6 +75,12 @@ class SoakNode:
         self.worker.kill()
         self.worker.close()
         self.start()
+
+    def host_killed(self) -> None:
+        """Every process of this node's host was killed (planned): count it and restart."""
+        self.soak.killed(self.node, "host killed", "")
+        self.armed = 0
+        self._restart()
 
     def arm_kill(self) -> None:
         self.armed = KILL_TRIES

@@ -50,6 +50,7 @@ def report(soak, reps: int, end: dict, checks: dict, bound_s: float) -> dict:
         "hit_pct": _pct(totals["hit"], totals["blocks"]),
         "intervals": ivs,
         "master": master_recovery(inj, bound_s),
+        "by_fault": by_fault(ivs, inj),
         "check": check_summary(checks),
         "failures": soak.failures[:50],
     }
@@ -72,6 +73,20 @@ def intervals(soak) -> list[dict]:
             "kvtier_hit_pct": _pct(iv["hit"] - iv["local"], iv["blocks"] - iv["local"]),
             "blocks_from": {t: iv["from_" + t] for t in ("dram", "nvme", "shared")},
             "failed": iv["failed"], "retried": iv["retried"], "wrong": iv["wrong"]})
+    return out
+
+
+def by_fault(ivs: list[dict], inj) -> dict:
+    """Per fault kind: how often, the failed requests and wrong blocks of the intervals it
+    began, and the seconds from its end to the next pool hit (`recovery_s`)."""
+    out: dict = {}
+    for kind, c in inj.counts.items():
+        mine = [iv for iv in ivs if iv["fault"] == kind]
+        rec = inj.recovery_s if kind == "master-restart" else \
+            inj.recovery_by_fault.get(kind, [])
+        out[kind] = {**c, "failed": sum(iv["failed"] for iv in mine),
+                     "wrong": sum(iv["wrong"] for iv in mine), "recovery_s": rec,
+                     "recovery_max_s": max(rec) if rec else None}
     return out
 
 

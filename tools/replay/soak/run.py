@@ -49,11 +49,12 @@ from kvtier.tools.replay.router import make_router
 from kvtier.tools.replay.runners import TIER_KINDS
 from kvtier.tools.replay.sim import SimRun
 from kvtier.tools.replay.soak.faults import SoakDisk
-from kvtier.tools.replay.soak.injector import FAULTS, Injector
+from kvtier.tools.replay.soak.injector import FAULTS, HOST_FAULTS, Injector
 from kvtier.tools.replay.soak.nodes import SoakNode, SoakOver
 from kvtier.tools.replay.soak.report import report
 
 RECOVERY_BOUND_S = 30.0
+HOST_LOAD_DEADLINE_S = 2.0  # on several hosts a load gives up after this (a link cut)
 REP_GAP_S = 600.0       # virtual seconds between two repetitions: every session idles
 DISK_SLACK = 32 << 20   # tmpfs room beyond the tiers' capacities (temps, quarantine)
 
@@ -73,9 +74,13 @@ class SoakSpec:
             raise ReplayError("--soak and --fault-every must be positive")
         if len(self.engine.instances) != 1:
             raise ReplayError("--soak runs one instance count; give one --instances")
-        bad = [f for f in self.faults if f not in FAULTS]
+        known = FAULTS + HOST_FAULTS
+        bad = [f for f in self.faults if f not in known]
         if bad or not self.faults:
-            raise ReplayError(f"--faults: expected some of {', '.join(FAULTS)}")
+            raise ReplayError(f"--faults: expected some of {', '.join(known)}")
+        if self.engine.hosts < 2 and set(self.faults) & set(HOST_FAULTS):
+            raise ReplayError(f"--faults {', '.join(HOST_FAULTS)} need several hosts: add "
+                              "--hosts 2 or more")
 
 
 def soak_policy(root: Path, disk: Path, node: str, address: str, es: EngineSpec,
@@ -95,17 +100,29 @@ def run_soak(spec: SoakSpec, ui) -> dict:
     root = es.out / "work" / "soak"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
-    address = f"127.0.0.1:{free_port()}"
+    hosts = None
+    if es.hosts > 1:  # instance k on host k % hosts, the master on one more
+        from kvtier.tools.hosts.cluster import HostCluster
+        hosts = HostCluster(es.hosts + 1, root / "hosts")
+        hosts.hosts.on_signals()
+        hosts.master_host = es.hosts
+        address = hosts.master_address
+    else:
+        address = f"127.0.0.1:{free_port()}"
     pols = {f"n{k}": soak_policy(root, root / "disk", f"n{k}", address, es, sizing)
             for k in range(n)}
     size = DISK_SLACK + sum(t["capacity"] for p in pols.values() for t in p["tiers"]
                             if t["kind"] != "mooncake")
-    soak = Soak(spec, ui, root, pols, sizing, kv_tokens_for(es, plan, n)[1])
+    soak = Soak(spec, ui, root, pols, sizing, kv_tokens_for(es, plan, n)[1], hosts)
     t = time.time()
-    with SoakDisk(root / "disk", size) as disk:
-        if disk.skipped:
-            ui.say(f"disk-full fault skipped: {disk.skipped}")
-        result = soak.run(disk, address, plan)
+    try:
+        with SoakDisk(root / "disk", size) as disk:
+            if disk.skipped:
+                ui.say(f"disk-full fault skipped: {disk.skipped}")
+            result = soak.run(disk, address, plan)
+    finally:
+        if hosts is not None:
+            hosts.close()
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
            "spec": {**plain(asdict(es)), "soak_s": spec.seconds,
@@ -120,8 +137,9 @@ class Soak:
     """The soak's state, the hooks its nodes call, and its run."""
 
     def __init__(self, spec: SoakSpec, ui, root: Path, pols: dict, sizing: Sizing,
-                 kv_tok: int):
+                 kv_tok: int, hosts=None):
         self.spec, self.ui, self.root, self.pols = spec, ui, root, pols
+        self.hosts = hosts  # a HostCluster, with --hosts
         self.sizing, self.kv_tok = sizing, kv_tok
         self.rng = random.Random(spec.engine.seed)
         self.t0 = time.monotonic()
@@ -183,10 +201,19 @@ class Soak:
 
     def run(self, disk: SoakDisk, address: str, plan) -> dict:
         es = self.spec.engine
-        master = EmbeddedMaster(MasterConfig(address=address),
-                                log_path=self.root / "master.log").start()
+        node_hosts: dict[str, int] = {}
+        if self.hosts is not None:
+            from kvtier.tools.hosts.cluster import HostMaster
+            master = HostMaster(self.hosts, es.hosts).start()
+            node_hosts = {node: k % es.hosts for k, node in enumerate(self.pols)}
+        else:
+            master = EmbeddedMaster(MasterConfig(address=address),
+                                    log_path=self.root / "master.log").start()
+        names = self.hosts.hosts.names if self.hosts is not None else None
         nodes = [SoakNode(node, pol, self.sizing.block_bytes,
-                          str(self.root / f"instance-{node}.log"), self, self.rng)
+                          str(self.root / f"instance-{node}.log"), self, self.rng,
+                          names[node_hosts[node]] if names else None,
+                          HOST_LOAD_DEADLINE_S if names else None)
                  for node, pol in self.pols.items()]
         try:
             self.ui.say(f"starting {len(nodes)} simulated instances")
@@ -197,7 +224,7 @@ class Soak:
                 node.worker.ready()
             self.injector = Injector(self.spec.fault_every_s, master, nodes, disk,
                                      disk.where / "shared", self.rng, self.ui.say,
-                                     self.spec.faults)
+                                     self.spec.faults, self.hosts, node_hosts)
             self.t0 = time.monotonic()  # the soak's clock starts with the cluster up
             reps = self._replay(nodes, plan, Calibration.load(es.calibration).model)
             self.injector.finish(self.now())
