@@ -5,7 +5,7 @@ PYTHON   ?= python3
 VENV     := .venv
 PY       := $(VENV)/bin/python
 PIP      := $(PY) -m pip
-DEB_PKGS := libibverbs1 librdmacm1 libnuma1 fio
+DEB_PKGS := libibverbs1 librdmacm1 libnuma1 fio glusterfs-server glusterfs-client
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
@@ -17,7 +17,8 @@ help:
 
 setup: deb venv
 
-# Debian packages the Mooncake wheel links against, and fio for the benchmarks.
+# Debian packages the Mooncake wheel links against, fio for the benchmarks, GlusterFS for the
+# cluster tests (a network filesystem under the sharedfs tier).
 deb: .stamp-deb
 .stamp-deb:
 	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \

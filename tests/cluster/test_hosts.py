@@ -185,3 +185,27 @@ def test_a_host_cut_off_from_the_master_serves_from_its_own_tiers_without_waitin
                or node.call("save", seed=9, n=1, size=SIZE) and
                "dram" in node.call("lookup", seed=9, n=1)["tiers"], 30,
                "the pool serving the host again")
+
+
+def test_blocks_persisted_on_one_host_read_on_another_over_glusterfs(tmp_path):
+    from kvtier.tools.hosts import glusterfs
+    why_not = glusterfs.unavailable()
+    if why_not:
+        pytest.skip(why_not)
+    with glusterfs.GlusterVolume(tmp_path / "gluster") as vol, \
+            HostCluster(3, tmp_path / "c", shared=vol.mnt / "shared") as c:
+        c.start_master(0)
+        writer = HostNode(c, 1, "w1", c.write_policy(1, "w1.yaml"))
+        reader = HostNode(c, 2, "r2", c.write_policy(2, "r2.yaml", tiers=("shared",)))
+        try:
+            assert writer.call("save", seed=11, n=8, size=SIZE)["saved"] == 8
+            assert writer.call("flush")["pending"] == 0
+            got = reader.call("load", seed=11, n=8, size=SIZE, deadline_s=10)
+            assert got == {**got, "hits": 8, "loaded": 8, "wrong": 0}, got
+            assert got["tiers"] == ["shared"]
+            files = [p for p in (vol.brick / "shared").rglob("*") if p.is_file()]
+            assert len([p for p in files if p.suffix == ".kvb"]) >= 8  # on the brick
+        finally:
+            writer.close()
+            reader.close()
+    assert not os.path.ismount(vol.mnt)

@@ -37,11 +37,13 @@ def kvtier_argv(*args: str) -> list[str]:
 class HostCluster:
     """k hosts with a master, homes and a shared dir; a context manager."""
 
-    def __init__(self, k: int, root: Path, dram: str = "64MiB"):
+    def __init__(self, k: int, root: Path, dram: str = "64MiB", shared: Path | None = None):
+        """`shared`: the directory every host's sharedfs tier uses (default `root/shared`;
+        a network filesystem's mount, `tools.hosts.glusterfs`)."""
         self.root = Path(root)
         self.dram = dram
         self.hosts = Hosts(k)
-        self.shared = self.root / "shared"
+        self.shared = Path(shared) if shared is not None else self.root / "shared"
         self.shared.mkdir(parents=True, exist_ok=True)
         self.master_host: int | None = None
         self.master: subprocess.Popen | None = None
