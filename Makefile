@@ -20,7 +20,7 @@ setup: deb venv
 # Debian packages the Mooncake wheel links against, fio for the benchmarks, GlusterFS for the
 # cluster tests (a network filesystem under the sharedfs tier).
 deb: .stamp-deb
-.stamp-deb:
+.stamp-deb: Makefile
 	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages: $$missing"; \
