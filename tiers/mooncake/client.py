@@ -12,6 +12,12 @@ Contract:
   builds a fresh store client (`setup` mounts this process's segment synchronously, so puts
   work as soon as it returns) and re-registers every registered buffer. The old client is
   closed in the background once the calls still running on it return.
+- With HA masters (`master.etcd`) the probe asks etcd for the leader, and a reconnect keeps
+  the same store client once a leader answers: Mooncake's client follows the new leader and
+  remounts its segment by itself, and the standby that took over knows that segment's
+  objects (a new client would lend an empty segment, and closing the old one would drop
+  them). Only when calls keep failing for `HA_REBUILD_AFTER_S` into one leader's term is
+  the client rebuilt.
 - Buffers handed to `register` stay referenced (alive) until `close`.
 - `setup` of a client whose master does not answer blocks for ~90 s inside Mooncake (20
   retries): a TCP probe always goes first.
@@ -32,6 +38,7 @@ import ctypes
 import os
 import secrets
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -39,7 +46,9 @@ import numpy as np
 from kvtier.store.base.block import alloc_aligned
 from kvtier.store.base.config import MasterConfig, MooncakeTierConfig
 from kvtier.store.base.errors import MasterError, TierError, TierUnavailableError
-from kvtier.tiers.mooncake.master import INSTALL_HINT, ensure_master, master_answers
+from kvtier.tiers.mooncake.ha import current_leader
+from kvtier.tiers.mooncake.master import (INSTALL_HINT, ensure_master, master_answers,
+                                          master_reachable)
 from kvtier.tiers.mooncake.segments import LentFile
 
 OK = 0
@@ -55,6 +64,12 @@ RPC_FAIL = -900
 MISS_CODES = frozenset({REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, LEASE_EXPIRED, TRANSFER_FAIL})
 # The master itself is unreachable or has forgotten us (restarted): reconnect.
 DOWN_CODES = frozenset({-103, -1010, -1011}) | frozenset(range(-999, -899))
+
+
+# With HA masters: how long into a leader's term calls may keep failing before the client
+# is rebuilt rather than left to follow the leader (Mooncake's client switches within ~2 s
+# of the new leader serving, measured; this only catches a client that never does).
+HA_REBUILD_AFTER_S = 30.0
 
 
 def is_down(code: int) -> bool:
@@ -127,6 +142,7 @@ class MooncakeClient:
         self.owned_service = None  # a PoolService this client had to start
         self._lock = threading.Lock()  # serializes reconnects and registrations
         self._down = False
+        self._term: tuple[int, float] | None = None  # HA: (leader's term, first resume in it)
         self._closed = False
         # Registered buffers sorted by address, as (starts, [(addr, nbytes, owner)]), replaced
         # whole on registration so lock-free readers never see the two lists out of step.
@@ -142,12 +158,15 @@ class MooncakeClient:
 
     def _where(self) -> str:
         if self.cfg.service:
-            return f"pool service {self.cfg.service} (master {self.master.address})"
-        return f"Mooncake master {self.master.address}"
+            return f"pool service {self.cfg.service} (master {self.master.client_address})"
+        return f"Mooncake master {self.master.client_address}"
 
     def _ensure_master(self) -> None:
-        if master_answers(self.master.address):
+        if master_reachable(self.master):
             return
+        if self.master.ha:
+            raise TierUnavailableError(f"tier {self.cfg.name!r}: no {self._where()} leads; "
+                                       "start masters with `kvtier master --ha`")
         if not self.master.embedded:
             raise TierUnavailableError(
                 f"tier {self.cfg.name!r}: no {self._where()} answers; start one (`kvtier "
@@ -212,7 +231,8 @@ class MooncakeClient:
         cfg = self.cfg
         rc = store.setup(cfg.local_hostname, self.master.metadata_server,
                          cfg.capacity_bytes if self.lend and segment else 0,
-                         cfg.buffer_bytes, cfg.protocol, cfg.device, self.master.address)
+                         cfg.buffer_bytes, cfg.protocol, cfg.device,
+                         self.master.client_address)
         if rc != OK:
             raise TierUnavailableError(
                 f"tier {cfg.name!r}: Mooncake client setup failed (code {rc}) against "
@@ -284,6 +304,9 @@ class MooncakeClient:
         with self._lock:
             if not self._down:
                 return  # another thread reconnected while we waited
+            if self._follows_leader():
+                self._down = False
+                return
             new = _Handle(*self._new_store_lent())
             old, self._handle = self._handle, new
             self.segment = self._segment_name(new.store)
@@ -292,6 +315,20 @@ class MooncakeClient:
         # close() takes ~2 s and must wait for the calls still running on the old client.
         threading.Thread(target=old.close_when_idle, name="kvtier-mooncake-close",
                          daemon=True).start()
+
+    def _follows_leader(self) -> bool:
+        """HA: keep the store client (it follows the leader itself) once a leader answers;
+        raise TierUnavailableError while none does; False when it must be rebuilt."""
+        if not self.master.ha:
+            return False
+        leader = current_leader(self.master.etcd)
+        if leader is None or not master_answers(leader.address):
+            raise TierUnavailableError(f"tier {self.cfg.name!r}: no {self._where()} leads; "
+                                       "a standby takes over within ~10 s of a leader's loss")
+        now = time.monotonic()
+        if self._term is None or self._term[0] != leader.term:
+            self._term = (leader.term, now)
+        return now - self._term[1] < HA_REBUILD_AFTER_S
 
     def session(self) -> "_Session":
         """A context manager yielding the live store client for one batch of calls."""
@@ -307,9 +344,10 @@ class MooncakeClient:
     def fail(self, op: str, code: int) -> TierUnavailableError:
         """Mark the client down after `op` answered `code`; return the error to raise."""
         self._down = True
-        answering = master_answers(self.master.address)
+        answering = master_reachable(self.master)
         fix = ("the master answers again: the next call reconnects" if answering else
-               "start it again (`kvtier master`); the next call reconnects")
+               "a standby takes over within ~10 s; the next call follows it" if self.master.ha
+               else "start it again (`kvtier master`); the next call reconnects")
         return TierUnavailableError(f"tier {self.cfg.name!r}: {op} failed with code {code}: "
                                     f"{self._where()} unreachable; {fix}")
 
