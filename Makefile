@@ -5,7 +5,7 @@ PYTHON   ?= python3
 VENV     := .venv
 PY       := $(VENV)/bin/python
 PIP      := $(PY) -m pip
-DEB_PKGS := libibverbs1 librdmacm1 libnuma1 fio
+DEB_PKGS := libibverbs1 librdmacm1 libnuma1 fio etcd-server
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
@@ -17,9 +17,11 @@ help:
 
 setup: deb venv
 
-# Debian packages the Mooncake wheel links against, and fio for the benchmarks.
+# Debian packages the Mooncake wheel links against, fio for the benchmarks, and etcd for the
+# tests and benchmark of Mooncake's HA masters (installs in ~8 s; on a systemd host the
+# package also starts a system etcd on 127.0.0.1:2379, which nothing of kvtier uses).
 deb: .stamp-deb
-.stamp-deb:
+.stamp-deb: Makefile
 	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages: $$missing"; \
