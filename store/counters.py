@@ -24,7 +24,7 @@ RATES = "load_rates"
 SELECTION = "selection"   # per process and tier: the candidate a tier follows, its shadows
 # the tiers' own counters, then the mover's per tier (`Copier.tier_counters`)
 SUMMED = ("hits", "misses", "corrupt", "errors", "puts", "deletes", "bytes_in", "bytes_out",
-          "late", "persist_misses", "demote_misses", "from_frames", "unheld")
+          "late", "cross_host_hits", "persist_misses", "demote_misses", "from_frames", "unheld")
 _START = int(time.time())
 
 

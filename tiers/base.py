@@ -81,6 +81,7 @@ class TierCounters:
     bytes_out: int = 0
     in_place: int = 0  # of `hits`, those read where they lie (`locate`), without a copy
     late: int = 0      # blocks a load gave up on at its deadline (the store counts them)
+    cross_host_hits: int = 0  # of `hits`, those from a lender on another host (when counted)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:

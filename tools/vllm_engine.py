@@ -134,7 +134,7 @@ class Engine:
                  max_model_len: int = 20480, kv_cache_gib: int = 1,
                  num_blocks: int | None = None, dtype: str = "bfloat16", inproc: bool = True,
                  env: dict[str, str] | None = None, engine_args: dict | None = None,
-                 startup_timeout_s: float = 600):
+                 startup_timeout_s: float = 600, prefix: list[str] | None = None):
         self.log_path = Path(log_path)
         spec = {"model": str(model), "kv_transfer_config": kv_transfer_config,
                 "block_size": block_size, "max_model_len": max_model_len, "inproc": inproc,
@@ -147,8 +147,10 @@ class Engine:
         rfd, wfd = os.pipe()
         spec["reply_fd"] = wfd
         try:
+            # `prefix`: what runs the engine elsewhere (`ip netns exec HOST`: another host)
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtier.connector.harness.engine_host", json.dumps(spec)],
+                [*(prefix or []), sys.executable, "-m", "kvtier.connector.harness.engine_host",
+                 json.dumps(spec)],
                 stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
                 env=child_env, pass_fds=(wfd,), start_new_session=True)
         finally:

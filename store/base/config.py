@@ -198,7 +198,9 @@ class MooncakeTierConfig(BaseModel):
     capacity_bytes: Size = Field(alias="capacity", gt=0)
     protocol: Literal["tcp", "rdma"] = "tcp"
     device: str = ""
-    local_hostname: str = "127.0.0.1"
+    # The address other hosts reach this process's segment at. Unset: the source address of
+    # this host's route to the master (loopback when the master is on loopback).
+    local_hostname: str | None = None
     buffer_bytes: Size = Field(default=64 << 20, alias="buffer", gt=0)
     staging_bytes: Size = Field(default=64 << 20, alias="staging", gt=0)
     soft_pin: bool = True
@@ -227,6 +229,9 @@ class MooncakeTierConfig(BaseModel):
     # lender's file and checks what landed in its cache after (README, "Segments in
     # files"); false copies each frame and checks the copy first (~5 ms more per 16K hit).
     read_in_place: bool = True
+    # Count the pool hits whose lender is on another host (`cross_host_hits`, in `inspect`):
+    # one more master query per load, for measurements (`kvtier replay --hosts`).
+    count_lender_hosts: bool = False
     eviction: EvictionConfig | None = None
 
     @model_validator(mode="after")

@@ -630,10 +630,14 @@ def test_segment_mappings_follow_their_files(tmp_path, monkeypatch):
     monkeypatch.setattr(mooncake_files, "REFRESH_S", 0.0)
     old = tmp_path / mooncake_files.file_name("127.0.0.1:7000", 0x1000, os.getpid())
     old.write_bytes(b"a" * 4096)
-    segs = mooncake_files.Segments(tmp_path)
+    other = tmp_path / mooncake_files.file_name("198.18.0.3:7000", 0x1000, os.getpid())
+    other.write_bytes(b"c" * 4096)
+    segs = mooncake_files.Segments(tmp_path, "127.0.0.1")
     view, base = segs.view("127.0.0.1:7000")
     assert base == 0x1000 and bytes(view[:1]) == b"a"
     assert segs.view("127.0.0.1:7001") is None
+    # another host's lender, though its file is in the directory: the transfer engine's
+    assert segs.view("198.18.0.3:7000") is None and segs.mapped == 1
     del view
     old.unlink()
     assert segs.view("127.0.0.1:7000") is None and segs._maps == {}
@@ -663,7 +667,7 @@ def test_a_new_mapping_has_its_pages_mapped_in_the_background(tmp_path):
         path = shm / mooncake_files.file_name("127.0.0.1:7000", 0x1000, os.getpid())
         with open(path, "wb") as f:
             os.posix_fallocate(f.fileno(), 0, 32 << 20)
-        segs = mooncake_files.Segments(shm)
+        segs = mooncake_files.Segments(shm, "127.0.0.1")
         view, _ = segs.view("127.0.0.1:7000")
         mapped = segs._maps["127.0.0.1:7000"]
         assert mapped.populated.wait(30)

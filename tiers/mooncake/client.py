@@ -47,6 +47,7 @@ from kvtier.store.base.block import alloc_aligned
 from kvtier.store.base.config import MasterConfig, MooncakeTierConfig
 from kvtier.store.base.errors import MasterError, TierError, TierUnavailableError
 from kvtier.tiers.mooncake.ha import current_leader
+from kvtier.tiers.mooncake.hostname import announced_host
 from kvtier.tiers.mooncake.master import (INSTALL_HINT, ensure_master, master_answers,
                                           master_reachable)
 from kvtier.tiers.mooncake.segments import LentFile
@@ -137,6 +138,7 @@ class MooncakeClient:
         self.cfg = cfg
         self.master = master
         self.lend = lend  # False: mount no segment (a client that only asks and reads)
+        self.hostname: str | None = None  # what an embedded client announces (`hostname`)
         self.mc = import_mooncake()
         self.owned_master = None  # an EmbeddedMaster this client had to start
         self.owned_service = None  # a PoolService this client had to start
@@ -176,6 +178,16 @@ class MooncakeClient:
         except MasterError as e:
             raise TierUnavailableError(f"tier {self.cfg.name!r}: {e}") from None
         self.owned_master = owned or self.owned_master
+
+    def _master_endpoint(self) -> tuple[str, int]:
+        """The master this host talks to, whose route picks the announced address: the
+        address, or with HA masters the leader etcd names (an etcd endpoint while none does)."""
+        where = self.master.address
+        if self.master.ha:
+            leader = current_leader(self.master.etcd)
+            where = leader.address if leader else self.master.etcd[0]
+        host, port = where.rsplit(":", 1)
+        return host, int(port)
 
     def _new_store_lent(self) -> tuple[Any, LentFile | None]:
         """A connected store client, and the file it lends its segment from (if any)."""
@@ -229,7 +241,8 @@ class MooncakeClient:
             self.staging = alloc_aligned(self.cfg.staging_bytes)
             self._add_reg(buffer_address(self.staging), len(self.staging), self.staging)
         cfg = self.cfg
-        rc = store.setup(cfg.local_hostname, self.master.metadata_server,
+        self.hostname = announced_host(cfg.local_hostname, *self._master_endpoint())
+        rc = store.setup(self.hostname, self.master.metadata_server,
                          cfg.capacity_bytes if self.lend and segment else 0,
                          cfg.buffer_bytes, cfg.protocol, cfg.device,
                          self.master.client_address)
@@ -237,7 +250,7 @@ class MooncakeClient:
             raise TierUnavailableError(
                 f"tier {cfg.name!r}: Mooncake client setup failed (code {rc}) against "
                 f"{self._where()} over {cfg.protocol}; check the master's log, "
-                f"local_hostname={cfg.local_hostname!r} and device={cfg.device!r}")
+                f"local_hostname={self.hostname!r} and device={cfg.device!r}")
         for addr, nbytes, _ in self._regs[1]:
             rc = store.register_buffer(addr, nbytes)
             if rc != OK:
@@ -382,6 +395,23 @@ class MooncakeClient:
                 return self._alloc_shared(self._handle.store, nbytes)
         view = alloc_aligned(nbytes)
         self.register(view)
+        return view
+
+    def new_staging(self) -> memoryview:
+        """Replace `staging` with a new registered area (the old one stays registered and
+        alive for the call still using it, until close)."""
+        with self._lock:
+            store = self._handle.store
+            if self.cfg.service:
+                self.staging = self._alloc_shared(store, self.cfg.staging_bytes)
+                return self.staging
+            view = alloc_aligned(self.cfg.staging_bytes)
+            rc = store.register_buffer(buffer_address(view), view.nbytes)
+            if rc != OK:
+                raise TierError(f"tier {self.cfg.name!r}: registering another staging area "
+                                f"failed (code {rc}); check the memlock limit (ulimit -l)")
+            self._add_reg(buffer_address(view), view.nbytes, view)
+            self.staging = view
         return view
 
     def _add_reg(self, addr: int, nbytes: int, owner: Any) -> None:

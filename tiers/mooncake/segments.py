@@ -44,6 +44,7 @@ import numpy as np
 
 from kvtier.store.base.errors import TierUnavailableError
 from kvtier.store.base.index_record import owner_alive
+from kvtier.tiers.mooncake.hostname import host_of
 
 PREFIX = "kvtier-seg-"
 _NAME = re.compile(r"^kvtier-seg-(.+)_(\d+)-([0-9a-f]+)-(\d+)\.mem$")
@@ -140,12 +141,18 @@ class LentFile:
 class Segments:
     """The segment files of this node's lenders, mapped read-only on first use. Thread-safe.
 
-    A mapping keeps its file's memory alive after the file is unlinked: the directory is
+    Only lenders that announce this host (`host`, the reader's own announced address) are
+    read from files: `segment_dir` may be a directory several hosts see (a shared /dev/shm
+    of containers, network namespaces on one machine), and another host's file there holds
+    no bytes this host may rely on (that host's lender may be cut off or gone). Other hosts
+    go through the transfer engine. A mapping keeps its file's memory alive after the file is unlinked: the directory is
     listed again every `REFRESH_S` (and at most every `RESCAN_S` for an endpoint not seen
     yet), and mappings whose file is gone or renamed are dropped then."""
 
-    def __init__(self, directory: str | os.PathLike[str]):
+    def __init__(self, directory: str | os.PathLike[str], host: str | None):
         self.dir = Path(directory)
+        self.host = host
+        self.mapped = 0  # mappings made (tests: a host never maps another host's file)
         self._lock = threading.Lock()
         self._maps: dict[str, _Mapped] = {}
         self._names: dict[str, str] = {}  # endpoint -> file name, from the last listing
@@ -153,6 +160,8 @@ class Segments:
 
     def view(self, endpoint: str) -> tuple[memoryview, int] | None:
         """(the segment's bytes, its base in the lender) or None if not on this node."""
+        if self.host is None or host_of(endpoint) != self.host:
+            return None
         if time.monotonic() - self._listed >= REFRESH_S:
             with self._lock:
                 self._list()
@@ -168,6 +177,7 @@ class Segments:
                 got = self._map(name) if name is not None else None
                 if got is None:
                     return None
+                self.mapped += 1
                 self._maps[endpoint] = got
             return got.view, got.base
 

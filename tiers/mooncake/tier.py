@@ -45,7 +45,7 @@ from typing import Sequence
 from kvtier.store.base.block import (HEADER_SIZE, KEY_AT, KEY_LEN, parse_header, verified_len,
                                      verify, verify_used)
 from kvtier.store.base.config import MooncakeTierConfig
-from kvtier.store.base.errors import CorruptBlockError
+from kvtier.store.base.errors import CorruptBlockError, TierError
 from kvtier.store.base.verify_pool import verified_lens
 from kvtier.tiers.base import MISS, InPlaceRun, Tier, full_error
 from kvtier.tiers.mooncake import check as mooncake_check
@@ -54,6 +54,8 @@ from kvtier.tiers.mooncake.client import (INVALID_PARAMS, MISS_CODES, NO_AVAILAB
                                           is_down)
 from kvtier.tiers.mooncake.pipeline import (MIN_CHUNK_BYTES, SERVICE_MIN_CHUNK_BYTES, Chunk,
                                            plan_chunks, run_pipeline, worth_pipelining)
+from kvtier.tiers.mooncake.hostname import host_of
+from kvtier.tiers.mooncake.lenders import Lenders
 from kvtier.tiers.mooncake.segments import Segments
 from kvtier.tiers.mooncake.usage import PoolUsage
 
@@ -62,6 +64,8 @@ ALREADY_EXISTS = -705
 MIN_RUN = 8                 # fewer frames at one stride are copied, not read in place
 PROBE_EVERY = 16            # a predicted run is checked at every 16th frame's key
 TRANSFER_THREADS = 4        # transfers of concurrent calls in flight at once
+STAGING_POLL_S = 0.05       # a call waiting for staging looks for a new area this often
+MAX_SPARE_STAGING = 2       # staging areas added for calls stuck behind late transfers
 
 
 class MooncakeTier(Tier):
@@ -74,17 +78,19 @@ class MooncakeTier(Tier):
         self.cfg = cfg
         self.ctx = ctx
         self.client = MooncakeClient(cfg, ctx.master, lend=ctx.lend)
-        self._staging_lock = threading.Lock()  # one call at a time uses staging
+        self._stage_lock = threading.Lock()
+        self._staging_locks: dict[int, threading.Lock] = {}  # per staging area, by address
+        self._spares = 0  # staging areas added beside ones held by late transfers
         # False sends every transfer through staging, registered or not (benchmarks, debugging).
         self.zero_copy = True
         # Several: a transfer stuck on a stalled lender must not hold up the next call.
         self._worker = ThreadPoolExecutor(TRANSFER_THREADS,
                                           thread_name_prefix=f"kvtier-{cfg.name}")
         self.usage = PoolUsage(cfg.capacity_bytes, self.client, ctx.master)
-        self._lenders: collections.Counter[str] = collections.Counter()
-        self._lenders_lock = threading.Lock()
+        self.unreachable = Lenders()
         # Other processes' segments of this node, read straight from their files.
-        self.segments = Segments(cfg.segment_dir) if cfg.segment_dir else None
+        self.segments = (Segments(cfg.segment_dir, self.client.hostname)
+                         if cfg.segment_dir else None)
 
     @property
     def staging(self) -> memoryview:
@@ -105,8 +111,32 @@ class MooncakeTier(Tier):
             if code < 0:
                 self.stats.add(errors=1)
             out.append(code == 1)
+        blocked = self.unreachable.blocked()
+        if blocked and any(out):
+            self._drop_blocked(keys, out, blocked)
         self.usage.forget([k for k, hit in zip(keys, out) if not hit])
         return out
+
+    def _drop_blocked(self, keys: Sequence[str], present: list[bool], blocked: set[str]
+                      ) -> None:
+        """Answer as misses the blocks whose every copy lies with a lender this process
+        could not read from lately (`tiers.mooncake.lenders`): promised, they would fail."""
+        idx = [i for i, hit in enumerate(present) if hit]
+        ends = self.lenders_of([keys[i] for i in idx])
+        for i, lenders in zip(idx, ends):
+            if lenders and all(e in blocked for e in lenders):
+                present[i] = False
+
+    def lenders_of(self, keys: list[str]) -> list[list[str]]:
+        """The endpoints holding a memory copy of each key, as the master says (none for a
+        key it does not know, or for all when it cannot say)."""
+        try:
+            with self.client.session() as store:
+                descs = store.batch_get_replica_desc(keys)
+        except Exception:  # noqa: BLE001 - a master that cannot say names no lender
+            descs = {}
+        return [[d.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                 for d in descs.get(key, ()) if d.is_memory_replica()] for key in keys]
 
     def put(self, keys: Sequence[str], frames: Sequence[memoryview]) -> list[bool]:
         _check_lengths(keys, frames)
@@ -213,32 +243,38 @@ class MooncakeTier(Tier):
                 result[i] = n
         self.stats.add_reads(result, corrupt=len(corrupt))
         self.usage.forget([k for k, n in zip(keys, result) if n == MISS])
+        if self.cfg.count_lender_hosts:
+            self._count_cross_host([k for k, n in zip(keys, result) if n != MISS])
         return result
 
+    def _host(self) -> str:
+        """The host this process announces (with a pool service: the service's)."""
+        return self.client.hostname or host_of(self.client.segment or "")
+
+    def _count_cross_host(self, keys: list[str]) -> None:
+        here = self._host()
+        cross = sum(1 for ends in self.lenders_of(keys) if ends and host_of(ends[0]) != here)
+        if cross:
+            self.stats.add(cross_host_hits=cross)
+
     def lender_failures(self) -> dict[str, int]:
-        with self._lenders_lock:
-            return dict(self._lenders)
+        return self.unreachable.counts()
 
     def blame_late(self, keys: Sequence[str]) -> None:
+        self._spare_staging()
         # in a thread of its own: the caller is a request past its deadline
-        threading.Thread(target=self._blame, args=(list(keys),), daemon=True,
+        threading.Thread(target=self._blame, args=(list(keys), True), daemon=True,
                          name=f"kvtier-{self.name}-blame").start()
 
-    def _blame(self, keys: list[str]) -> None:
+    def _blame(self, keys: list[str], late: bool = False) -> None:
         """Count `keys` against the lenders the master says hold them (`unknown` when it
-        names none: the object or its lender is gone)."""
-        try:
-            with self.client.session() as store:
-                descs = store.batch_get_replica_desc(list(keys))
-        except Exception:  # noqa: BLE001 - a master that cannot say leaves them unknown
-            descs = {}
-        found: collections.Counter[str] = collections.Counter()
-        for key in keys:
-            ends = [d.get_memory_descriptor().buffer_descriptor.transport_endpoint
-                    for d in descs.get(key, ()) if d.is_memory_replica()]
-            found[ends[0] if ends else "unknown"] += 1
-        with self._lenders_lock:
-            self._lenders.update(found)
+        names none: the object or its lender is gone), and mark those lenders (for a late
+        load, only those on other hosts: `tiers.mooncake.lenders`)."""
+        found: collections.Counter[str] = collections.Counter(
+            ends[0] if ends else "unknown" for ends in self.lenders_of(keys))
+        here = self._host()
+        self.unreachable.fail(found, {e for e in found if host_of(e) != here} if late
+                              else True)
 
     def _get_direct(self, keys: Sequence[str], views: list[memoryview], todo: list[int],
                     result: list[int]) -> list[int]:
@@ -427,10 +463,12 @@ class MooncakeTier(Tier):
             if check is not None:
                 check([(i, code, views[i]) for i, code in enumerate(codes)])
             return codes
-        staging = self.client.staging
-        chunks = plan_chunks(sizes, direct, len(staging), merge_direct=(op == "put"),
+        chunks = plan_chunks(sizes, direct, len(self.client.staging), merge_direct=(op == "put"),
                              min_chunk=min_chunk)
         codes = [0] * len(keys)
+        staged = any(c.staged for c in chunks)
+        # the staging area this call holds (taken below: another may replace the current one)
+        staging = self._take_staging() if staged else self.client.staging
         staging_addr = buffer_address(staging)
 
         def xfer(chunk: Chunk) -> list[int]:
@@ -462,13 +500,40 @@ class MooncakeTier(Tier):
             if items:
                 check(items)
 
-        args = (self._worker, chunks, xfer, pre, post, len(staging))
-        if any(c.staged for c in chunks):
-            with self._staging_lock:
-                run_pipeline(*args)
-        else:
-            run_pipeline(*args)
+        try:
+            run_pipeline(self._worker, chunks, xfer, pre, post, len(staging))
+        finally:
+            if staged:
+                self._staging_locks[buffer_address(staging)].release()
         return codes
+
+    def _take_staging(self) -> memoryview:
+        """The current staging area, locked for this call. One call at a time uses an area;
+        a call abandoned by its load's deadline keeps its area until its transfer ends, and
+        `_spare_staging` gives the others a new one meanwhile."""
+        while True:
+            staging = self.client.staging
+            addr = buffer_address(staging)
+            with self._stage_lock:
+                lock = self._staging_locks.setdefault(addr, threading.Lock())
+            if lock.acquire(timeout=STAGING_POLL_S):
+                if self.client.staging is staging:
+                    return staging
+                lock.release()  # replaced while we waited: take the new one
+
+    def _spare_staging(self) -> None:
+        """A late load may hold the staging area until its transfer gives up (a cut link:
+        tens of seconds); let the tier's other calls stage through a fresh one."""
+        staging = self.client.staging
+        with self._stage_lock:
+            lock = self._staging_locks.get(buffer_address(staging))
+            if lock is None or not lock.locked() or self._spares >= MAX_SPARE_STAGING:
+                return
+            self._spares += 1
+        try:
+            self.client.new_staging()
+        except TierError:
+            pass  # no memory for another: calls wait for the area, as before
 
     # ---- bookkeeping ---------------------------------------------------------------------
 

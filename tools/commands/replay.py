@@ -162,6 +162,9 @@ def replay(
     calibrate: bool = typer.Option(False, "--calibrate", help="measure the real engine for "
                                    "the sim's model (writes --json or OUT/calibration.json)"),
     plots: bool = typer.Option(True, help="engines: write PNG plots"),
+    hosts: int = typer.Option(1, min=1, help="engines: spread the instances round-robin over "
+                              "this many hosts (network namespaces on this machine, a master "
+                              "on one more; needs root)"),
     soak: Optional[float] = typer.Option(None, min=0.0, help="sim: soak for this many "
                                          "minutes of wall time under faults (kvtier only)"),
     fault_every: float = typer.Option(60.0, min=0.1, help="soak: seconds between faults"),
@@ -195,7 +198,7 @@ def replay(
             max_context=max_context, max_batch=max_batch, side_by_side=side_by_side,
             pool=pool, multiproc=multiproc, dtype=dtype, eviction=eviction,
             admission=admission, seed=seed, traces=traces, out=out,
-            calibration=calibration), json_out, plots)
+            calibration=calibration, hosts=hosts), json_out, plots)
         return
     if not simulate:
         raise ReplayError("choose a mode: --simulate (policy-only), --engine vllm|sim, or "

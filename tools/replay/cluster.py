@@ -83,7 +83,8 @@ class Sizing:
 
 def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
                 chunk_tokens: int, eviction: str, admission: str,
-                tiers_root: Path | None = None, service: str | None = None) -> dict:
+                tiers_root: Path | None = None, service: str | None = None,
+                count_hosts: bool = False) -> dict:
     """The inline policy of one instance (`node`) of configuration `cfg`; its index lives
     under `root`, its nvme dir and the shared dir under `tiers_root` (default `root`).
     `service`: the instances join the pool service there (one segment holding the whole
@@ -93,6 +94,8 @@ def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
     dram = {"name": "dram", "kind": "mooncake",
             "capacity": sizing.segment_bytes(cfg.dram_frac), "buffer": "32MiB",
             "staging": "32MiB"}
+    if count_hosts:
+        dram["count_lender_hosts"] = True
     if service:
         dram |= {"capacity": dram["capacity"] * sizing.instances, "service": service,
                  "service_embedded": False}
@@ -108,6 +111,14 @@ def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
             "master": {"address": master, "embedded": False},
             "eviction": {"kind": eviction}, "admission": {"kind": admission},
             "tiers": tiers}
+
+
+def pool_split(dram_counters: list[dict]) -> dict[str, int]:
+    """Pool blocks loaded from a lender on the loader's own host and on another host, from
+    the pool tier's counters of every node (`count_hosts` on)."""
+    hits = sum(c.get("hits", 0) for c in dram_counters)
+    cross = sum(c.get("cross_host_hits", 0) for c in dram_counters)
+    return {"same": hits - cross, "cross": cross}
 
 
 def frame_bytes(payload: int) -> int:

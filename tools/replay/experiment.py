@@ -64,6 +64,7 @@ class EngineSpec:
     traces: Path = Path("../shared/traces")
     out: Path = Path("replay-out")
     calibration: Path | None = None
+    hosts: int = 1                  # instances spread round-robin over this many hosts
 
     def check(self) -> None:
         if self.engine not in ENGINES:
@@ -89,6 +90,21 @@ class EngineSpec:
             raise ReplayError(f"--admission: expected one of {', '.join(ADMISSION_KINDS)}")
         if min(self.instances) < 1 or self.scale <= 0 or self.speed <= 0:
             raise ReplayError("--instances, --scale and --speed must be positive")
+        if self.hosts < 1:
+            raise ReplayError(f"--hosts must be at least 1, got {self.hosts}")
+        if self.hosts > 1:
+            from kvtier.tools.hosts.netns import unavailable
+            why = unavailable()
+            if why:
+                raise ReplayError(f"--hosts {self.hosts}: {why}; or run on one host "
+                                  "(--hosts 1)")
+            if self.engine == "vllm" and self.pool == "service":
+                raise ReplayError(f"--hosts {self.hosts} with --pool service: a pool service "
+                                  "serves the engines of its own host only; use --pool "
+                                  "embedded")
+            if self.side_by_side:
+                raise ReplayError("--hosts runs the configurations one after the other; "
+                                  "drop --side-by-side")
 
 
 def bytes_per_token(dtype: str) -> int:

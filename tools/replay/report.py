@@ -54,6 +54,14 @@ def render(report: dict, console: Console) -> None:
             f"{run['working_set_bytes'] / MiB:,.0f} MiB")
         console.print(_compare(run))
         console.print(_footnote(run))
+        for label, c in run["configs"].items():
+            split = c.get("pool_hits_by_host")
+            if split:
+                total = max(1, split["same"] + split["cross"])
+                console.print(f"  {label}: pool blocks loaded from a lender on the same host "
+                              f"{split['same']:,}, on another host {split['cross']:,} "
+                              f"({100 * split['cross'] / total:.0f}% cross-host, "
+                              f"{spec.get('hosts', 1)} hosts)")
         if "local" in run["configs"]:
             for label, c in run["configs"].items():
                 if c["kind"] != "local":

@@ -24,7 +24,7 @@ from pathlib import Path
 from kvtier.store.base.config import MasterConfig
 from kvtier.store.base.keys import Namespace
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
-from kvtier.tools.replay.cluster import Config, Sizing, node_policy
+from kvtier.tools.replay.cluster import Config, Sizing, node_policy, pool_split
 from kvtier.tools.replay.plan import Plan
 from kvtier.tools.replay.router import make_router
 from kvtier.tools.threads import in_threads
@@ -56,7 +56,10 @@ def run_config(ctx: RunCtx, cfg: Config, root: Path, ui) -> tuple[list[dict], di
         records = _replay_vllm(ctx, cfg, cluster, ui, update)
     finally:
         cluster.close()
-    return records, {"tier_names": tier_names(cfg), "held": cluster.held()}
+    extra = {"tier_names": tier_names(cfg), "held": cluster.held()}
+    if (split := cluster.pool_split()) is not None:
+        extra["pool_hits_by_host"] = split
+    return records, extra
 
 
 def run_side_by_side(ctx: RunCtx, cfgs: list[Config], roots: list[Path], ui) -> list[tuple]:
@@ -89,7 +92,7 @@ def _vllm_cluster(ctx: RunCtx, cfg: Config, root: Path, ui, clusters: int = 1):
                        num_blocks=ctx.kv_tok // 32 + 1, max_model_len=ctx.max_len,
                        dtype=spec.dtype, eviction=spec.eviction, admission=spec.admission,
                        engines_alongside=clusters, pool=spec.pool,
-                       inproc=not spec.multiproc, say=ui.say)
+                       inproc=not spec.multiproc, hosts=spec.hosts, say=ui.say)
 
 
 def _replay_vllm(ctx: RunCtx, cfg: Config, cluster, ui, update) -> list[dict]:
@@ -104,9 +107,18 @@ def _run_sim(ctx: RunCtx, cfg: Config, root: Path, ui, update):
     from kvtier.tools.replay.sim import SimRun
     spec, n = ctx.spec, ctx.n
     cal = Calibration.load(spec.calibration)
-    master, workers = None, [None] * n
+    master, workers, hosts = None, [None] * n, None
     try:
-        if cfg.uses_store:
+        if cfg.uses_store and spec.hosts > 1:
+            from kvtier.tools.hosts.cluster import HostCluster
+            # the engines' hosts, and one more for the master
+            hosts = HostCluster(spec.hosts + 1, root / "hosts")
+            hosts.hosts.on_signals()
+            address = hosts.start_master(spec.hosts)
+            ui.say(f"[{cfg.label}] starting {n} simulated instances on {spec.hosts} hosts")
+            workers = _start_workers(root, cfg, ctx.sizing, n, address, spec,
+                                     [hosts.hosts.names[k % spec.hosts] for k in range(n)])
+        elif cfg.uses_store:
             mcfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
             master = EmbeddedMaster(mcfg, log_path=root / "master.log").start()
             ui.say(f"[{cfg.label}] starting {n} simulated instances")
@@ -124,19 +136,26 @@ def _run_sim(ctx: RunCtx, cfg: Config, root: Path, ui, update):
                 w.close()
         if master is not None:
             master.stop()
-    return records, {"tier_names": tier_names(cfg), "held": _held(usage),
-                     "model": cal.model.describe(), "calibration": cal.source}
+        if hosts is not None:
+            hosts.close()
+    extra = {"tier_names": tier_names(cfg), "held": _held(usage),
+             "model": cal.model.describe(), "calibration": cal.source}
+    if hosts is not None:
+        extra["pool_hits_by_host"] = pool_split([u["tiers"]["dram"] for u in usage])
+    return records, extra
 
 
-def _start_workers(root, cfg, sizing, n, address, spec):
+def _start_workers(root, cfg, sizing, n, address, spec, hosts=None):
+    """`hosts[k]`: the network namespace instance k runs in (None: this one)."""
     from kvtier.tools.replay.sim_worker import SimWorker
     workers = []
     try:
         for k in range(n):
             pol = node_policy(root, f"n{k}", address, cfg, sizing, spec.chunk_tokens,
-                              spec.eviction, spec.admission)
+                              spec.eviction, spec.admission, count_hosts=bool(hosts))
             workers.append(SimWorker(pol, f"n{k}", sizing.block_bytes,
-                                     str(root / f"instance-n{k}.log")))
+                                     str(root / f"instance-n{k}.log"),
+                                     hosts[k] if hosts else None))
         in_threads([w.ready for w in workers])
     except BaseException:
         for w in workers:

@@ -14,6 +14,8 @@ connector makes:
   from it). Returns (hit blocks, the tier of each loaded block, load seconds, wrong blocks).
 - `save(keys, all_keys, hint, now)`: write-through of the new chunks, then `finish` with the
   looked-up keys (the end of the turn).
+- `host`: the network namespace the instance's process enters first (`tools.hosts`: one of
+  several hosts on this machine).
 For the soak (`tools.replay.soak.run`): `counters()` (each tier's counters), `frames(tier, n,
 seed)` (where `n` random stored frames of a tier lie: what a fault may corrupt) and
 `scrub(tier, keys)` (read those keys from that tier alone, so corrupt frames are found and
@@ -57,11 +59,12 @@ class InstanceError(RuntimeError):
 class SimWorker:
     """The coordinator's handle on one instance process (spawned; calls are synchronous)."""
 
-    def __init__(self, policy: dict, node_id: str, payload_bytes: int, log_path: str):
+    def __init__(self, policy: dict, node_id: str, payload_bytes: int, log_path: str,
+                 host: str | None = None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_main, args=(child, policy, node_id, payload_bytes,
-                                                    log_path),
+                                                    log_path, host),
                                 name=f"kvtier-sim-{node_id}", daemon=True)
         self.log_path = log_path
         self.proc.start()
@@ -216,12 +219,16 @@ class _Instance:
         return {"held": held, "corrupt": t.counters()["corrupt"] - before, "wrong": wrong}
 
 
-def _main(conn, policy: dict, node_id: str, payload_bytes: int, log_path: str) -> None:
+def _main(conn, policy: dict, node_id: str, payload_bytes: int, log_path: str,
+          host: str | None = None) -> None:
     # Mooncake and tracebacks write to fds 1 and 2: into the instance's log, not the console
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
     try:
+        if host is not None:  # before any thread or socket: a namespace is per thread
+            from kvtier.tools.hosts.netns import enter
+            enter(host)
         inst = _Instance(policy, node_id, payload_bytes)
     except Exception as e:  # reported to the coordinator in one line
         conn.send((False, f"cannot open the store: {type(e).__name__}: {e}"))

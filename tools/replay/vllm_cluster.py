@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
-from kvtier.tools.replay.cluster import Config, ReplayError, Sizing, node_policy
+from kvtier.tools.replay.cluster import Config, ReplayError, Sizing, node_policy, pool_split
 from kvtier.tools.replay.plan import VOCAB, Plan
 from kvtier.tools.threads import in_threads
 from kvtier.tools.vllm_engine import Completion, Engine, EngineError, kvtier_transfer_config
@@ -58,14 +58,28 @@ class VllmCluster:
     def __init__(self, root: Path, cfg: Config, n: int, model: Path, sizing: Sizing, *,
                  chunk_tokens: int, block_size: int, num_blocks: int, max_model_len: int,
                  dtype: str, eviction: str, admission: str, engines_alongside: int = 1,
-                 pool: str = "service", inproc: bool = True, say=print):
+                 pool: str = "service", inproc: bool = True, hosts: int = 1, say=print):
         self.root, self.cfg, self.n = root, cfg, n
         self.master: EmbeddedMaster | None = None
         self.service = None
+        self.hosts = None  # a HostCluster: engine k on host k % hosts, the master on one more
         self.engines: list[Engine | None] = [None] * n
         self.policies: list[dict | None] = [None] * n
+        self.prefixes: list[list[str] | None] = [None] * n
         root.mkdir(parents=True, exist_ok=True)
-        if cfg.uses_store:
+        if cfg.uses_store and hosts > 1:
+            if pool == "service":
+                raise ReplayError("--hosts with --pool service: a pool service serves the "
+                                  "engines of its own host only; use --pool embedded")
+            from kvtier.tools.hosts.cluster import HostCluster
+            self.hosts = HostCluster(hosts + 1, root / "hosts")
+            self.hosts.hosts.on_signals()
+            address = self.hosts.start_master(hosts)
+            self.policies = [node_policy(root, f"n{k}", address, cfg, sizing, chunk_tokens,
+                                         eviction, admission, count_hosts=True)
+                             for k in range(n)]
+            self.prefixes = [self.hosts.hosts.command(k % hosts, []) for k in range(n)]
+        elif cfg.uses_store:
             mcfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
             self.master = EmbeddedMaster(mcfg, log_path=root / "master.log").start()
             service = self._start_service(pool, root, mcfg, cfg, sizing, chunk_tokens,
@@ -119,7 +133,7 @@ class VllmCluster:
                                           staging_buffer="16MiB")
                    if self.policies[k] else None)
             e = Engine(model, self.root / f"engine-n{k}.log", kv_transfer_config=ktc,
-                       **self._kw)
+                       prefix=self.prefixes[k], **self._kw)
             self.engines[k] = e
             e.submit(_warmup_prompt(k), 1).result(600)  # the path the replay takes
 
@@ -164,6 +178,25 @@ class VllmCluster:
         if self.master is not None:
             self.master.stop()
             self.master = None
+        if self.hosts is not None:
+            self.hosts.close()
+            self.hosts = None
+
+    def pool_split(self) -> dict[str, int] | None:
+        """On several hosts: pool blocks loaded from same-host and cross-host lenders, from
+        the counters the engines left in their indexes (read after they exited)."""
+        if not any(self.prefixes):
+            return None
+        from kvtier.store.base.index import Index
+        from kvtier.store.counters import read_counters
+        dram = []
+        for p in self.policies:
+            ix = Index(Path(p["index"]["path"]), readonly=True, recover=False)
+            try:
+                dram.append(read_counters(ix).get("dram", {}))
+            finally:
+                ix.close()
+        return pool_split(dram)
 
 
 def _warmup_prompt(k: int) -> list[int]:

@@ -1,0 +1,160 @@
+"""kvtier across hosts: network namespaces made here, a master on one, nodes on the others.
+
+Each host has its own address (198.18.0.0/15), loopback, index and nvme dir; one directory
+is the shared filesystem; /dev/shm is the machine's, seen by every host. Every policy names
+only the master's address (`local_hostname` unset). Teardown always runs, and the module ends
+by checking that it left no namespace and no segment file behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_until
+from kvtier.tools.hosts import netns
+from kvtier.tools.hosts.cluster import HostCluster, HostNode
+
+why = netns.unavailable()
+pytestmark = pytest.mark.skipif(why is not None, reason=why or "")
+
+SIZE = 64 << 10  # payload bytes per block
+DEADLINE_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hosts")
+    c = HostCluster(3, root)
+    shm = Path("/dev/shm") / f"kvtier-hosts-{os.getpid()}"
+    c.segment_dir = shm
+    try:
+        c.start_master(0)
+        yield c
+    finally:
+        c.close()
+        shutil.rmtree(shm, ignore_errors=True)
+        assert not any((netns.NETNS_DIR / n).exists()
+                       for n in [*c.hosts.names, c.hosts.bridge_ns]), "a namespace was left"
+
+
+@pytest.fixture
+def nodes(cluster):
+    started: list[HostNode] = []
+
+    def start(i: int, name: str | None = None, **policy) -> HostNode:
+        path = cluster.write_policy(i, f"{name or f'host{i}'}.yaml", **policy)
+        node = HostNode(cluster, i, name, path)
+        started.append(node)
+        return node
+    yield start
+    for node in started:
+        node.close()
+
+
+def test_each_host_announces_its_own_address_and_blocks_cross_hosts_byte_for_byte(
+        cluster, nodes):
+    a, b, c = nodes(0), nodes(1), nodes(2)  # host 0 also runs the master
+    assert [a.announced, b.announced, c.announced] == cluster.hosts.addresses
+    assert a.call("save", seed=1, n=12, size=SIZE)["saved"] == 12
+    assert c.call("save", seed=2, n=12, size=SIZE)["saved"] == 12
+    for reader, seed in ((b, 1), (c, 1), (a, 2), (b, 2)):
+        got = reader.call("load", seed=seed, n=12, size=SIZE, deadline_s=10)
+        assert got == {**got, "hits": 12, "loaded": 12, "wrong": 0, "late": 0}, got
+        assert got["tiers"] == ["dram"]
+    assert b.call("stats")["lender_failures"] == {}
+
+
+def test_a_cut_off_lender_gives_misses_never_wrong_bytes_or_a_stuck_request(cluster, nodes):
+    lender, reader = nodes(1, "lender1", tiers=("dram",)), nodes(2, "reader2", tiers=("dram",))
+    assert lender.call("save", seed=3, n=8, size=SIZE)["saved"] == 8
+    assert reader.call("load", seed=3, n=8, size=SIZE, deadline_s=10)["loaded"] == 8
+    cluster.hosts.cut(1)
+    try:
+        # The master still lists the blocks: the first load waits for its deadline (what
+        # recomputing would cost), reads nothing wrong, and marks the lender.
+        first = reader.call("load", seed=3, n=8, size=SIZE, deadline_s=DEADLINE_S)
+        assert first["wrong"] == 0 and first["loaded"] == 0
+        assert first["ms"] < (DEADLINE_S + 2) * 1e3
+        blocked = wait_until(lambda: reader.call("stats")["blocked"], 10, "the lender marked")
+        assert [b.rsplit(":", 1)[0] for b in blocked] == [cluster.hosts.addresses[1]]
+        # From then on the lender's blocks are misses: no request waits for them.
+        for _ in range(3):
+            got = reader.call("load", seed=3, n=8, size=SIZE, deadline_s=DEADLINE_S)
+            assert got["hits"] == 0 and got["wrong"] == 0 and got["ms"] < 1000, got
+        # The reader's own saves still work while another host is cut off, and do not
+        # wait for the abandoned transfer (it holds its staging area until TCP gives up).
+        t0 = time.monotonic()
+        assert reader.call("save", seed=4, n=4, size=SIZE)["saved"] == 4
+        assert time.monotonic() - t0 < DEADLINE_S
+        assert reader.call("load", seed=4, n=4, size=SIZE)["loaded"] == 4
+    finally:
+        cluster.hosts.restore(1)
+    # Back on the network: the lender's new saves are hits on the reader again.
+    wait_until(lambda: lender.call("save", seed=5, n=4, size=SIZE)["saved"] == 4, 30,
+               "the lender saving again after its link came back", every_s=1)
+    wait_until(lambda: reader.call("load", seed=5, n=4, size=SIZE, deadline_s=5)["loaded"] == 4,
+               60, "the reader loading the lender's blocks again", every_s=1)
+    assert reader.call("load", seed=5, n=4, size=SIZE)["wrong"] == 0
+
+
+def test_segment_files_are_read_in_place_only_on_their_own_host(cluster, nodes):
+    seg = {"segment_dir": str(cluster.segment_dir)}
+    lender = nodes(1, "files1", tiers=("dram",), **seg)
+    same_host = nodes(1, "files1b", tiers=("dram",), **seg)
+    other_host = nodes(2, "files2", tiers=("dram",), **seg)
+    assert lender.call("save", seed=6, n=8, size=SIZE)["saved"] == 8
+    # every host sees the lender's file in the one /dev/shm of the machine
+    assert any(f".{cluster.hosts.addresses[1].rsplit('.', 1)[1]}_" in p.name
+               for p in cluster.segment_dir.iterdir())
+    got = other_host.call("load", seed=6, n=8, size=SIZE, deadline_s=10)
+    assert got["loaded"] == 8 and got["wrong"] == 0
+    assert other_host.call("stats")["mapped"] == 0  # through the transfer engine
+    got = same_host.call("load", seed=6, n=8, size=SIZE, deadline_s=10)
+    assert got["loaded"] == 8 and got["wrong"] == 0
+    assert same_host.call("stats")["mapped"] == 1   # straight out of the lender's file
+
+
+def test_hosts_are_swept_when_their_owner_died(tmp_path):
+    import subprocess
+    import sys
+    made = subprocess.run([sys.executable, "-c", (
+        "from kvtier.tools.hosts.netns import Hosts\n"
+        "import os\nh = Hosts(2)\nprint(' '.join([h.bridge_ns, *h.names]), flush=True)\n"
+        "os._exit(0)")],
+        capture_output=True, text=True, timeout=60)
+    left = made.stdout.split()
+    assert all((netns.NETNS_DIR / n).exists() for n in left)  # os._exit skipped the teardown
+    assert set(left) <= set(netns.sweep())
+    assert not any((netns.NETNS_DIR / n).exists() for n in left)
+
+
+def test_the_sim_replay_on_three_hosts_hits_as_on_one_and_counts_cross_host_hits(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvtier.tools.cli import app
+
+    def run(hosts: int) -> dict:
+        path = tmp_path / f"r{hosts}.json"
+        res = CliRunner().invoke(app, [
+            "replay", "--engine", "sim", "--instances", "3", "--hosts", str(hosts),
+            "--sessions", "4", "--turns", "4", "--scale", "0.05", "--baselines", "",
+            "--no-plots", "--out", str(tmp_path / f"out{hosts}"), "--json", str(path)],
+            catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        return json.loads(path.read_text())["runs"][0]["configs"]["kvtier"]
+
+    before = {p.name for p in netns.NETNS_DIR.glob("kvt*")}
+    one, three = run(1), run(3)
+    split = three["pool_hits_by_host"]
+    assert split["cross"] > 0 and split["same"] + split["cross"] > 0
+    assert "pool_hits_by_host" not in one
+    assert abs(three["overall"]["hit_rate"] - one["overall"]["hit_rate"]) <= 0.5
+    assert three["overall"]["hit_by_tier"]["dram"] > 0
+    assert {p.name for p in netns.NETNS_DIR.glob("kvt*")} <= before  # the replay's are gone

@@ -1,0 +1,1 @@
+"""Several hosts on one machine (network namespaces) for tests and replays."""
