@@ -5,7 +5,7 @@ PYTHON   ?= python3
 VENV     := .venv
 PY       := $(VENV)/bin/python
 PIP      := $(PY) -m pip
-DEB_PKGS := libibverbs1 librdmacm1 libnuma1 fio glusterfs-server glusterfs-client
+DEB_PKGS := libibverbs1 librdmacm1 libnuma1 fio etcd-server glusterfs-server glusterfs-client
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
@@ -17,8 +17,10 @@ help:
 
 setup: deb venv
 
-# Debian packages the Mooncake wheel links against, fio for the benchmarks, GlusterFS for the
-# cluster tests (a network filesystem under the sharedfs tier).
+# Debian packages the Mooncake wheel links against, fio for the benchmarks, etcd for the
+# tests and benchmark of Mooncake's HA masters (on a systemd host the package also starts a
+# system etcd on 127.0.0.1:2379, which nothing of kvtier uses), and GlusterFS for the cluster
+# tests (a network filesystem under the sharedfs tier).
 deb: .stamp-deb
 .stamp-deb: Makefile
 	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \

@@ -59,6 +59,16 @@ def _file_mode(v: object) -> object:
 
 
 FileMode = Annotated[int, BeforeValidator(_file_mode)]
+
+
+def _endpoint_list(v: object) -> object:
+    """`a:1,b:2` (as `kvtier master --etcd` takes them) or a list -> a list of endpoints."""
+    if isinstance(v, str):
+        return [part.strip() for part in v.split(",") if part.strip()]
+    return v
+
+
+Endpoints = Annotated[tuple[Address, ...], BeforeValidator(_endpoint_list)]
 _FROZEN = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
 
@@ -89,11 +99,18 @@ class IndexConfig(BaseModel):
 
 
 class MasterConfig(BaseModel):
-    """Where the Mooncake master answers, and the flags kvtier starts it with when embedded."""
+    """Where the Mooncake master answers, and the flags kvtier starts it with when embedded.
+
+    With `etcd` set the masters run in Mooncake's HA mode: every master started with these
+    endpoints campaigns in etcd, the winner leads and the others stand by; clients ask etcd
+    for the leader (`client_address`), and `address` is only where `kvtier master` binds the
+    master of this host. HA masters are the operator's: `embedded` defaults to false there,
+    and true is an error."""
 
     model_config = _FROZEN
     address: Address = "127.0.0.1:50051"
     embedded: bool = True
+    etcd: Endpoints = ()
     metadata_server: str = "P2PHANDSHAKE"
     start_timeout_s: float = Field(default=20.0, gt=0)
     default_kv_lease_ttl_ms: int = Field(default=10_000, gt=0)
@@ -104,6 +121,34 @@ class MasterConfig(BaseModel):
     # Where an embedded master and a kvtier-started pool service keep their logs, locks and
     # the service's segment name (a policy puts it beside its index: `<index.path>.run`).
     run_dir: Path | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ha_masters_not_embedded_by_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("etcd") and "embedded" not in data:
+            data = {**data, "embedded": False}
+        return data
+
+    @model_validator(mode="after")
+    def _ha_consistent(self) -> "MasterConfig":
+        if len(set(self.etcd)) != len(self.etcd):
+            raise _field_error("master.etcd", "an endpoint is listed twice; list each once")
+        if self.etcd and self.embedded:
+            raise _field_error("master.embedded", "HA masters (master.etcd) are run by the "
+                               "operator (`kvtier master --ha`), never embedded; set "
+                               "master.embedded: false or drop master.etcd")
+        return self
+
+    @property
+    def ha(self) -> bool:
+        """True when the masters run in Mooncake's HA mode (etcd endpoints given)."""
+        return bool(self.etcd)
+
+    @property
+    def client_address(self) -> str:
+        """The master address a Mooncake client is given: `HOST:PORT`, or in HA mode the
+        etcd endpoints it finds the leader through (`etcd://HOST:PORT;HOST:PORT`)."""
+        return f"etcd://{';'.join(self.etcd)}" if self.etcd else self.address
 
     @property
     def runtime_dir(self) -> Path:

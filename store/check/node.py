@@ -33,7 +33,7 @@ from kvtier.store.check.index import dead_pending, fix_stats, stats_problems
 from kvtier.store.sessions.persist import referenced_keys
 from kvtier.tiers.base import Tier, TierContext
 from kvtier.tiers.base import NOTICE_KINDS, Problem
-from kvtier.tiers.mooncake.master import master_answers
+from kvtier.tiers.mooncake.master import master_reachable
 from kvtier.tiers.registry import open_tier
 
 
@@ -79,9 +79,9 @@ def open_tiers(policy: Policy, index: Index, report: CheckReport,
             report.skipped[cfg.name] = "the index records no blocks of the pool (the master " \
                                        "keeps its metadata); nothing to check on this node"
             continue
-        if cfg.kind == "mooncake" and not master_answers(policy.master.address):
+        if cfg.kind == "mooncake" and not master_reachable(policy.master):
             report.unchecked[cfg.name] = f"the index records blocks of the pool and no " \
-                                         f"master answers at {policy.master.address}; start it"
+                                         f"master answers at {policy.master.client_address}; start it"
             continue
         try:
             tiers.append(open_tier(cfg, ctx))

@@ -20,7 +20,7 @@ from kvtier.store.base.index import Index
 from kvtier.store.base.index_record import owner_alive
 from kvtier.store.sessions.persist import read_sessions
 from kvtier.tiers.base import TierContext
-from kvtier.tiers.mooncake.master import master_answers
+from kvtier.tiers.mooncake.master import master_reachable
 from kvtier.tiers.registry import open_tier
 
 BATCH = 256  # keys per question to the master
@@ -35,9 +35,9 @@ def _present_on_disk(ix: Index, tier: str, keys: list[str]) -> set[str]:
 def _present_in_pool(policy: Policy, cfg, ix: Index, keys: list[str],
                      node_id: str | None) -> tuple[set[str] | None, str | None]:
     """(keys the pool holds, or None when that is unknown; a note for the reader)."""
-    if not master_answers(policy.master.address):
-        return set(), f"no master answers at {policy.master.address}: the pool is gone, " \
-                      "and its blocks with it"
+    if not master_reachable(policy.master):
+        return set(), f"no master answers at {policy.master.client_address}: the pool " \
+                      "is gone, and its blocks with it"
     ctx = TierContext(ix, node_id or socket.gethostname(), policy.master, recover=False,
                       lend=False)
     try:

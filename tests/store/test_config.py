@@ -98,6 +98,8 @@ BAD = [
     (("admission", "nvme_write_budget"), "2TiB/fortnight", "admission.nvme_write_budget", "rate"),
     (("master", "address"), "localhost", "master.address", "HOST:PORT"),
     (("master", "embedded"), "perhaps", "master.embedded", "boolean"),
+    (("master", "etcd"), ["10.0.0.1"], "master.etcd[0]", "HOST:PORT"),
+    (("master", "etcd"), ["10.0.0.1:2379", "10.0.0.1:2379"], "master.etcd", "twice"),
     (("index", "map_size"), "0", "index.map_size", "greater"),
     (("index",), DELETE, None, None),  # the index path defaults: this one must pass
     (("namespace", "tenant"), "a/b", "namespace.tenant", "letters"),
@@ -291,4 +293,24 @@ def test_segment_dir_and_service_exclude_each_other(tmp_path):
     data = base(tmp_path)
     data["tiers"][0].update(service="127.0.0.1:5000", segment_dir=str(tmp_path / "shm"))
     with pytest.raises(ConfigError, match="segment_dir and service exclude each other"):
+        load_policy(write(tmp_path, data))
+
+
+def test_ha_master_policy(tmp_path):
+    """`master.etcd`: clients find the leader through etcd; HA masters are the operator's."""
+    data = base(tmp_path)
+    data["master"] = {"etcd": "10.0.0.1:2379, 10.0.0.2:2379", "address": "10.0.0.11:50051"}
+    master = load_policy(write(tmp_path, data)).master
+    assert master.ha and master.etcd == ("10.0.0.1:2379", "10.0.0.2:2379")
+    assert master.client_address == "etcd://10.0.0.1:2379;10.0.0.2:2379"
+    assert not master.embedded  # the default, with etcd
+    plain = load_policy(write(tmp_path, base(tmp_path), "plain.yaml")).master
+    assert not plain.ha and plain.client_address == "127.0.0.1:50051"
+
+
+def test_ha_master_cannot_be_embedded(tmp_path):
+    data = base(tmp_path)
+    data["master"] = {"etcd": ["10.0.0.1:2379"], "embedded": True}
+    with pytest.raises(ConfigError, match=r"master\.embedded: HA masters \(master\.etcd\) are "
+                                          r"run by the operator .*set master\.embedded: false"):
         load_policy(write(tmp_path, data))

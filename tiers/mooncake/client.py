@@ -12,6 +12,12 @@ Contract:
   builds a fresh store client (`setup` mounts this process's segment synchronously, so puts
   work as soon as it returns) and re-registers every registered buffer. The old client is
   closed in the background once the calls still running on it return.
+- With HA masters (`master.etcd`) the probe asks etcd for the leader, and a reconnect keeps
+  the same store client once a leader answers: Mooncake's client follows the new leader and
+  remounts its segment by itself, and the standby that took over knows that segment's
+  objects (a new client would lend an empty segment, and closing the old one would drop
+  them). Only when calls keep failing for `HA_REBUILD_AFTER_S` into one leader's term is
+  the client rebuilt.
 - Buffers handed to `register` stay referenced (alive) until `close`.
 - `setup` of a client whose master does not answer blocks for ~90 s inside Mooncake (20
   retries): a TCP probe always goes first.
@@ -40,8 +46,10 @@ import numpy as np
 from kvtier.store.base.block import alloc_aligned
 from kvtier.store.base.config import MasterConfig, MooncakeTierConfig
 from kvtier.store.base.errors import MasterError, TierError, TierUnavailableError
+from kvtier.tiers.mooncake.ha import current_leader
 from kvtier.tiers.mooncake.hostname import announced_host
-from kvtier.tiers.mooncake.master import INSTALL_HINT, ensure_master, master_answers
+from kvtier.tiers.mooncake.master import (INSTALL_HINT, ensure_master, master_answers,
+                                          master_reachable)
 from kvtier.tiers.mooncake.segments import LentFile
 
 OK = 0
@@ -59,6 +67,12 @@ RECONNECT_EVERY_S = 1.0  # while the master is unreachable, calls fail at once i
 MISS_CODES = frozenset({REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, LEASE_EXPIRED, TRANSFER_FAIL})
 # The master itself is unreachable or has forgotten us (restarted): reconnect.
 DOWN_CODES = frozenset({-103, -1010, -1011}) | frozenset(range(-999, -899))
+
+
+# With HA masters: how long into a leader's term calls may keep failing before the client
+# is rebuilt rather than left to follow the leader (Mooncake's client switches within ~2 s
+# of the new leader serving, measured; this only catches a client that never does).
+HA_REBUILD_AFTER_S = 30.0
 
 
 def is_down(code: int) -> bool:
@@ -134,6 +148,7 @@ class MooncakeClient:
         self._down = False
         self._retry_at = 0.0  # while down: no reconnect before this (time.monotonic())
         self._down_error = ""  # why the last reconnect failed
+        self._term: tuple[int, float] | None = None  # HA: (leader's term, first resume in it)
         self._closed = False
         # Registered buffers sorted by address, as (starts, [(addr, nbytes, owner)]), replaced
         # whole on registration so lock-free readers never see the two lists out of step.
@@ -149,12 +164,15 @@ class MooncakeClient:
 
     def _where(self) -> str:
         if self.cfg.service:
-            return f"pool service {self.cfg.service} (master {self.master.address})"
-        return f"Mooncake master {self.master.address}"
+            return f"pool service {self.cfg.service} (master {self.master.client_address})"
+        return f"Mooncake master {self.master.client_address}"
 
     def _ensure_master(self) -> None:
-        if master_answers(self.master.address, PROBE_S):
+        if master_reachable(self.master, PROBE_S):
             return
+        if self.master.ha:
+            raise TierUnavailableError(f"tier {self.cfg.name!r}: no {self._where()} leads; "
+                                       "start masters with `kvtier master --ha`")
         if not self.master.embedded:
             raise TierUnavailableError(
                 f"tier {self.cfg.name!r}: no {self._where()} answers; start one (`kvtier "
@@ -164,6 +182,16 @@ class MooncakeClient:
         except MasterError as e:
             raise TierUnavailableError(f"tier {self.cfg.name!r}: {e}") from None
         self.owned_master = owned or self.owned_master
+
+    def _master_endpoint(self) -> tuple[str, int]:
+        """The master this host talks to, whose route picks the announced address: the
+        address, or with HA masters the leader etcd names (an etcd endpoint while none does)."""
+        where = self.master.address
+        if self.master.ha:
+            leader = current_leader(self.master.etcd)
+            where = leader.address if leader else self.master.etcd[0]
+        host, port = where.rsplit(":", 1)
+        return host, int(port)
 
     def _new_store_lent(self) -> tuple[Any, LentFile | None]:
         """A connected store client, and the file it lends its segment from (if any)."""
@@ -217,10 +245,11 @@ class MooncakeClient:
             self.staging = alloc_aligned(self.cfg.staging_bytes)
             self._add_reg(buffer_address(self.staging), len(self.staging), self.staging)
         cfg = self.cfg
-        self.hostname = announced_host(cfg.local_hostname, self.master.host, self.master.port)
+        self.hostname = announced_host(cfg.local_hostname, *self._master_endpoint())
         rc = store.setup(self.hostname, self.master.metadata_server,
                          cfg.capacity_bytes if self.lend and segment else 0,
-                         cfg.buffer_bytes, cfg.protocol, cfg.device, self.master.address)
+                         cfg.buffer_bytes, cfg.protocol, cfg.device,
+                         self.master.client_address)
         if rc != OK:
             raise TierUnavailableError(
                 f"tier {cfg.name!r}: Mooncake client setup failed (code {rc}) against "
@@ -292,6 +321,9 @@ class MooncakeClient:
         with self._lock:
             if not self._down:
                 return  # another thread reconnected while we waited
+            if self._follows_leader():
+                self._down = False
+                return
             new = _Handle(*self._new_store_lent())
             old, self._handle = self._handle, new
             self.segment = self._segment_name(new.store)
@@ -300,6 +332,20 @@ class MooncakeClient:
         # close() takes ~2 s and must wait for the calls still running on the old client.
         threading.Thread(target=old.close_when_idle, name="kvtier-mooncake-close",
                          daemon=True).start()
+
+    def _follows_leader(self) -> bool:
+        """HA: keep the store client (it follows the leader itself) once a leader answers;
+        raise TierUnavailableError while none does; False when it must be rebuilt."""
+        if not self.master.ha:
+            return False
+        leader = current_leader(self.master.etcd)
+        if leader is None or not master_answers(leader.address):
+            raise TierUnavailableError(f"tier {self.cfg.name!r}: no {self._where()} leads; "
+                                       "a standby takes over within ~10 s of a leader's loss")
+        now = time.monotonic()
+        if self._term is None or self._term[0] != leader.term:
+            self._term = (leader.term, now)
+        return now - self._term[1] < HA_REBUILD_AFTER_S
 
     def session(self) -> "_Session":
         """A context manager yielding the live store client for one batch of calls."""
@@ -330,9 +376,10 @@ class MooncakeClient:
         """Mark the client down after `op` answered `code` (or a text saying what went
         wrong); return the error to raise."""
         self._down = True
-        answering = master_answers(self.master.address, PROBE_S)
+        answering = master_reachable(self.master, PROBE_S)
         fix = ("the master answers again: the next call reconnects" if answering else
-               "start it again (`kvtier master`) or check the network; the next call "
+               "a standby takes over within ~10 s; the next call follows it" if self.master.ha
+               else "start it again (`kvtier master`) or check the network; the next call "
                "reconnects")
         what = f"failed with code {code}" if isinstance(code, int) else code
         return TierUnavailableError(f"tier {self.cfg.name!r}: {op} {what}: "

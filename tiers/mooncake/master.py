@@ -5,6 +5,11 @@
 it cleanly. `ensure_master(cfg)` is what a kvtier process calls with `master.embedded: true`:
 it joins the master that answers at `cfg.address` and starts one (owning it) only when none
 answers, under a file lock so two processes starting at once end up on one master.
+
+With `master.etcd` (Mooncake's HA mode, `tiers.mooncake.ha`) `EmbeddedMaster` starts a master
+that joins the election: it is ready once it leads and serves, or stands by behind a leader.
+`master_reachable(cfg)` is the probe every caller makes before Mooncake's own connect (which
+blocks for many seconds when nothing answers): the address, or the leader etcd names.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 from kvtier.store.base.config import MasterConfig
 from kvtier.store.base.errors import MasterError
 from kvtier.store.base.index import make_private_dirs
+from kvtier.tiers.mooncake import ha
 
 DEBIAN_PACKAGES = "libibverbs1 librdmacm1 libnuma1"
 INSTALL_HINT = ("pip install 'kvtier[cpu]' (mooncake-transfer-engine-non-cuda) or "
@@ -96,6 +102,15 @@ def master_answers(address: str, timeout_s: float = 0.5) -> bool:
             return True
     except OSError:
         return False
+
+
+def master_reachable(cfg: MasterConfig, timeout_s: float = 0.5) -> bool:
+    """True if the master a client of `cfg` would use answers: at `cfg.address`, or in HA
+    mode the leader etcd names (a lapsed or dead leader, or etcd down, is False)."""
+    if not cfg.ha:
+        return master_answers(cfg.address, timeout_s)
+    leader = ha.current_leader(cfg.etcd, timeout_s)
+    return leader is not None and master_answers(leader.address, timeout_s)
 
 
 class ChildProcess:
@@ -185,13 +200,23 @@ class EmbeddedMaster(ChildProcess):
             "default_kv_soft_pin_ttl": str(cfg.default_kv_soft_pin_ttl_ms),
             "eviction_high_watermark_ratio": str(cfg.eviction_high_watermark_ratio),
             "eviction_ratio": str(cfg.eviction_ratio),
-            **cfg.extra_flags,
         }
+        if cfg.ha:
+            flags |= {"enable_ha": "true", "etcd_endpoints": ";".join(cfg.etcd),
+                      # Standbys follow the leader's op log in etcd, so the one that takes
+                      # over knows every object and segment (without it the pool is emptied
+                      # by a failover: README, "Master high availability").
+                      "enable_oplog": "true"}
+        flags |= cfg.extra_flags
         return [str(find_master_binary()), *(f"-{k}={v}" for k, v in flags.items())]
 
     def start(self) -> "EmbeddedMaster":
         binary = find_master_binary()
         check_shared_libraries(binary)
+        if self.cfg.ha and self.host in ("0.0.0.0", "::", ""):
+            raise MasterError(f"an HA master publishes its address to clients through etcd; "
+                              f"bind this host's address, not {self.host} (master.address or "
+                              "--address)")
         if self.rpc_port == 0:
             self.rpc_port = free_port(self.host)
         if master_answers(self.address):
@@ -204,18 +229,31 @@ class EmbeddedMaster(ChildProcess):
         self._wait_ready()
         return self
 
+    def health(self) -> dict | None:
+        """The master's own `/health` (HA role and state, the leader it sees), or None."""
+        return ha.master_health(f"{self.host}:{self.metrics_port}")
+
+    def _ready(self) -> bool:
+        if self.cfg.ha:  # a standby never answers on its RPC port: ask its admin port
+            return ha.joined(ha.master_health(f"{self.host}:{self.metrics_port}", 0.2),
+                             self.address)
+        return master_answers(self.address, 0.2)
+
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.cfg.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise MasterError(f"mooncake_master exited with code {self.proc.returncode} at "
                                   f"start{self._log_tail()}; see the log or run `kvtier master`")
-            if master_answers(self.address, 0.2):
+            if self._ready():
                 return
             time.sleep(0.05)
         self.stop()
-        raise MasterError(f"mooncake_master did not answer on {self.address} within "
-                          f"{self.cfg.start_timeout_s:.0f}s; raise master.start_timeout_s")
+        what = ("join the election through etcd " + ",".join(self.cfg.etcd) if self.cfg.ha
+                else f"answer on {self.address}")
+        raise MasterError(f"mooncake_master did not {what} within "
+                          f"{self.cfg.start_timeout_s:.0f}s; raise master.start_timeout_s"
+                          + (" or check that etcd answers" if self.cfg.ha else ""))
 
     def _log_tail(self) -> str:
         if not self.log_path or not Path(self.log_path).exists():
@@ -233,8 +271,11 @@ def ensure_master(cfg: MasterConfig, lock_dir: Path | None = None) -> EmbeddedMa
     again, so one of them becomes the new owner. With `embedded: false`, a master that does
     not answer is an error.
     """
-    if master_answers(cfg.address):
+    if master_reachable(cfg):
         return None
+    if cfg.ha:
+        raise MasterError(f"no Mooncake master leads at {cfg.client_address}; start masters "
+                          "with `kvtier master --ha` and check that etcd answers")
     if not cfg.embedded:
         raise MasterError(f"no Mooncake master answers at {cfg.address}; start one "
                           "(`kvtier master`) or set master.embedded: true")

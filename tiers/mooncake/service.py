@@ -56,7 +56,7 @@ class PoolService(ChildProcess):
         cfg = self.cfg
         host, port = self.address.rsplit(":", 1)
         flags = {
-            "master_server_address": self.master.address,
+            "master_server_address": self.master.client_address,
             "metadata_server": self.master.metadata_server,
             "host": host,
             "port": port,
@@ -82,7 +82,7 @@ class PoolService(ChildProcess):
             if self.proc.poll() is not None:
                 raise MasterError(f"{BINARY} exited with code {self.proc.returncode} at start; "
                                   f"see {self.log_path} (is the master at "
-                                  f"{self.master.address} up?)")
+                                  f"{self.master.client_address} up?)")
             if master_answers(self.address, 0.2):
                 self._publish_segment()
                 return self

@@ -73,6 +73,8 @@ class PoolUsage:
         if owned is not None:
             return owned.metrics_url
         port = self.master.extra_flags.get("metrics_port")
+        if self.master.ha:  # `address` is this host's master, maybe a standby: no segments
+            return None
         return f"http://{self.master.host}:{port}/metrics" if port else None
 
     def _from_metrics(self) -> int | None:

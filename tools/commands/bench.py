@@ -55,6 +55,43 @@ def tiers(policy: Optional[Path] = typer.Option(None, "--policy", "-p",
                                 rows, refs, targets, repeat)
 
 
+@app.command("failover")
+def failover(kills: int = typer.Option(5, min=1, help="master kills per mode"),
+             modes: str = typer.Option("ha,single", help="ha (etcd, leader and standby), "
+                                       "single (one master restarted), or both"),
+             json_out: Optional[Path] = typer.Option(None, "--json",
+                                                     help="write the rows here")) -> None:
+    """Seconds from a master kill to the pool's first working put and get, with HA masters
+    (the leader killed, a standby takes over) and with one master killed and restarted;
+    needs `etcd` (apt-get install etcd-server) for `ha`."""
+    import json
+
+    from kvtier.tools.bench import failover as bench_failover
+
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    if not chosen or set(chosen) - set(bench_failover.MEASURES):
+        raise typer.BadParameter(f"expected ha, single or both, got {modes!r}",
+                                 param_hint="--modes")
+    result = bench_failover.run(kills, chosen)
+    console = Console()
+    for row in result["rows"]:
+        console.print(f"{row['mode']:>6} kill {row['kill']}: first put {_secs(row['put_s'])} s, "
+                      f"get {_secs(row['get_s'])} s; old blocks kept {row['old_kept']} of "
+                      f"{row['old']}")
+    for mode, st in result["summary"].items():
+        console.print(f"[bold]{mode}[/bold]: {st['recovered']} of {st['kills']} kills "
+                      f"recovered; first put median {_secs(st['put_s_median'])} s (max "
+                      f"{_secs(st['put_s_max'])}), first get median {_secs(st['get_s_median'])} s "
+                      f"(max {_secs(st['get_s_max'])}); old blocks kept {st['old_kept']}")
+    if json_out is not None:
+        command = "kvtier " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        json_out.write_text(json.dumps({"command": command, **result}, indent=1) + "\n")
+
+
+def _secs(value: float | None) -> str:
+    return "never" if value is None else f"{value:.2f}"
+
+
 # The connector's benchmarks live in `commands.bench_vllm` (owned with the connector).
 from kvtier.tools.commands import bench_vllm as cli_bench_vllm  # noqa: E402
 

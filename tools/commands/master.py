@@ -8,9 +8,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
-from kvtier.store.base.config import load_policy
+from kvtier.store.base.config import MasterConfig, load_policy
+from kvtier.store.base.config_errors import format_validation_error
+from kvtier.store.base.errors import ConfigError
 from kvtier.store.base.index import make_private_dirs
 from kvtier.tiers.mooncake.master import EmbeddedMaster
 
@@ -24,12 +27,25 @@ def master(policy: Optional[Path] = POLICY_OPT,
                                        "wait until it answers, and return; it runs until "
                                        "stopped (kill the pid --pid-file names)"),
            pid_file: Optional[Path] = typer.Option(None, "--pid-file",
-                                                   help="with --detach: write its pid here")
+                                                   help="with --detach: write its pid here"),
+           ha: bool = typer.Option(False, "--ha", help="Mooncake's HA mode: join the "
+                                   "election of the masters sharing the etcd endpoints "
+                                   "(implied by --etcd or the policy's master.etcd)"),
+           etcd: Optional[str] = typer.Option(None, "--etcd", metavar="HOST:PORT,...",
+                                              help="etcd endpoints for --ha (default: the "
+                                              "policy's master.etcd)"),
+           address: Optional[str] = typer.Option(None, "--address", metavar="HOST:PORT",
+                                                 help="bind the master's RPC here (default: "
+                                                 "the policy's master.address)"),
            ) -> None:
     """Run the Mooncake master with the policy's settings in the foreground (Ctrl-C stops),
     or with --detach in the background: the one master several engines of a node join,
-    which none of them owns (an embedded master lives and dies with its first user)."""
-    cfg = load_policy(policy).master
+    which none of them owns (an embedded master lives and dies with its first user).
+
+    With --ha every master started on the same etcd endpoints campaigns: the first to win
+    leads and serves, the others stand by, and when the leader is lost one of them takes
+    over (README, "Master high availability")."""
+    cfg = _master_config(load_policy(policy).master, ha, etcd, address)
     console = Console()
     if detach:
         m = EmbeddedMaster(cfg, log_path=log or cfg.runtime_dir / f"master-{cfg.port}.log")
@@ -38,20 +54,46 @@ def master(policy: Optional[Path] = POLICY_OPT,
         m.start()
         if pid_file is not None:
             pid_file.write_text(f"{m.proc.pid}\n")
-        console.print(f"mooncake_master answering on [bold]{m.address}[/bold], pid "
-                      f"{m.proc.pid}, log {m.log_path}")
+        console.print(f"{_joined(m)}, pid {m.proc.pid}, log {m.log_path}")
         return
     with EmbeddedMaster(cfg, log_path=log) as m:
-        console.print(f"mooncake_master answering on [bold]{m.address}[/bold] "
-                      f"(metrics {m.metrics_url}); Ctrl-C to stop")
+        console.print(f"{_joined(m)} (metrics {m.metrics_url}); Ctrl-C to stop")
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
         try:
             while m.alive():
                 time.sleep(0.5)
         except KeyboardInterrupt:
             console.print("stopping")
-    if m.proc is None:
-        return
+
+
+def _master_config(cfg: MasterConfig, ha: bool, etcd: str | None,
+                   address: str | None) -> MasterConfig:
+    """The policy's master settings with the command line's on top."""
+    data = cfg.model_dump(by_alias=False)
+    if address is not None:
+        data["address"] = address
+    if etcd is not None:
+        data["etcd"] = etcd
+    if ha and not data["etcd"]:
+        raise typer.BadParameter("--ha needs etcd endpoints: give --etcd HOST:PORT,... or "
+                                 "set master.etcd in the policy", param_hint="--ha")
+    if data["etcd"]:
+        data["embedded"] = False  # an HA master is the operator's by definition
+    try:
+        return MasterConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, "kvtier master", MasterConfig)) from None
+
+
+def _joined(m: EmbeddedMaster) -> str:
+    """What the started master is: where it answers, or in HA mode the role it won."""
+    if not m.cfg.ha:
+        return f"mooncake_master answering on [bold]{m.address}[/bold]"
+    health = m.health() or {}
+    role = ("[bold]leader[/bold]" if health.get("role") == "leader" else
+            f"[bold]standby[/bold] behind the leader {health.get('leader_address', '?')}")
+    return (f"mooncake_master {m.address} joined the election through etcd "
+            f"{','.join(m.cfg.etcd)}: {role}")
 
 
 def pool_service(policy: Optional[Path] = POLICY_OPT) -> None:
