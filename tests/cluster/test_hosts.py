@@ -209,3 +209,26 @@ def test_blocks_persisted_on_one_host_read_on_another_over_glusterfs(tmp_path):
             writer.close()
             reader.close()
     assert not os.path.ismount(vol.mnt)
+
+
+def test_a_short_soak_across_hosts_cuts_links_and_kills_hosts_and_serves_nothing_wrong(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvtier.tools.cli import app
+    js = tmp_path / "soak.json"
+    res = CliRunner().invoke(app, [
+        "replay", "--engine", "sim", "--soak", "0.75", "--fault-every", "12",
+        "--hosts", "2", "--instances", "2", "--sessions", "4", "--turns", "5",
+        "--scale", "0.05", "--faults", "link-cut,host-kill,master-restart",
+        "--out", str(tmp_path / "out"), "--json", str(js)], catch_exceptions=False)
+    rep = json.loads(js.read_text())
+    assert res.exit_code == 0 and rep["ok"], (rep["why_not"], res.output[-3000:])
+    assert rep["wrong_blocks"] == 0 and rep["requests"]["failed"] == 0
+    assert rep["check"]["clean"]
+    for kind in ("link-cut", "host-kill", "master-restart"):
+        assert rep["by_fault"][kind]["injected"] >= 1, kind
+        assert rep["by_fault"][kind]["failed"] == 0 and rep["by_fault"][kind]["wrong"] == 0
+    assert rep["instance_deaths"].get("host killed", 0) >= 1
+    assert rep["by_fault"]["host-kill"]["recovery_s"]  # the pool served its blocks again

@@ -372,6 +372,10 @@ class MooncakeClient:
             handle.active += 1
         return _Session(handle)
 
+    def master_answers(self) -> bool:
+        """Whether the master (in HA mode, the leader) accepts a connection now."""
+        return master_reachable(self.master, PROBE_S)
+
     def fail(self, op: str, code: int | str) -> TierUnavailableError:
         """Mark the client down after `op` answered `code` (or a text saying what went
         wrong); return the error to raise."""

@@ -112,8 +112,13 @@ class MooncakeTier(Tier):
         try:
             codes = asked.result(timeout=self.cfg.call_timeout_s)
         except FutureTimeout:
-            raise self.client.fail("batch_is_exist", "had no answer within "
-                                   f"{self.cfg.call_timeout_s:g}s (call_timeout_s)") from None
+            what = f"had no answer within {self.cfg.call_timeout_s:g}s (call_timeout_s)"
+            if self.client.master_answers():
+                # slow, not gone (a client still settling after the master restarted, a
+                # busy host): a miss this once; reconnecting would stall the tier again
+                raise TierError(f"tier {self.cfg.name!r}: batch_is_exist {what}; the master "
+                                "answers: this lookup skips the pool") from None
+            raise self.client.fail("batch_is_exist", what) from None
         out = []
         for key, code in zip(keys, codes):
             if is_down(code):

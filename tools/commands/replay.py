@@ -162,6 +162,8 @@ def replay(
     calibrate: bool = typer.Option(False, "--calibrate", help="measure the real engine for "
                                    "the sim's model (writes --json or OUT/calibration.json)"),
     plots: bool = typer.Option(True, help="engines: write PNG plots"),
+    ha: bool = typer.Option(False, "--ha", help="soak with --hosts: Mooncake's HA masters (a "
+                            "leader and a standby, etcd on a third host); fault leader-kill"),
     hosts: int = typer.Option(1, min=1, help="engines: spread the instances round-robin over "
                               "this many hosts (network namespaces on this machine, a master "
                               "on one more; needs root)"),
@@ -180,7 +182,7 @@ def replay(
     if engine is not None and simulate:
         raise ReplayError("--engine and --simulate are two modes; give one")
     if soak is not None:
-        _soak(engine, soak, fault_every, faults, json_out, lambda: ce.EngineSpec(
+        _soak(engine, soak, fault_every, faults, json_out, ha, lambda: ce.EngineSpec(
             engine="sim", workload=_one_workload(workload),
             instances=tuple(int(x) for x in _floats(instances, "--instances")),
             router=router, sessions=sessions or 8, live=live, turns=turns, scale=scale,
@@ -232,14 +234,14 @@ def replay(
 
 
 def _soak(engine: Optional[str], minutes: float, every_s: float, faults: str, json_out,
-          spec) -> None:
+          ha: bool, spec) -> None:
     """`--soak`: the sim replay under faults (`tools.commands.replay_soak`); exits with its code."""
     from kvtier.tools.commands.replay_soak import run_and_show_soak
     from kvtier.tools.replay.soak.run import SoakSpec
     if engine != "sim":
         raise ReplayError("--soak runs the simulated engines: add --engine sim")
     kinds = tuple(f.strip() for f in faults.split(",") if f.strip())
-    raise typer.Exit(run_and_show_soak(SoakSpec(spec(), minutes * 60, every_s, kinds),
+    raise typer.Exit(run_and_show_soak(SoakSpec(spec(), minutes * 60, every_s, kinds, ha),
                                        json_out))
 
 

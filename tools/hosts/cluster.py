@@ -6,8 +6,10 @@ another) and `root/shared`, the one directory every host uses as its sharedfs ti
 shared filesystem). `start_master(i)` runs `kvtier master` on host i, bound to that host's
 address. `policy(i)` is host i's policy: the embedded defaults with only the master's
 address given (so `local_hostname` is unset: cross-host by default) and tiers sized for a
-test. Processes of a host start with `hosts.popen(i, ...)`; `HostNode` runs a kvtier node
-there and calls it op by op.
+test. `start_ha(leader, standby, etcd)` runs Mooncake's HA masters instead: etcd on one
+host, a leader and a standby on two others, and every policy names etcd. Processes of a
+host start with `hosts.popen(i, ...)`; `HostNode` runs a kvtier node there and calls it op
+by op.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvtier.store.base.errors import MasterError
 from kvtier.tools.hosts.netns import Hosts, HostsError
 
 MASTER_PORT = 50051
+ETCD_PORT = 2379
 START_S = 30.0
 TIERS = ("dram", "nvme", "shared")
 
@@ -47,6 +50,8 @@ class HostCluster:
         self.shared.mkdir(parents=True, exist_ok=True)
         self.master_host: int | None = None
         self.master: subprocess.Popen | None = None
+        self.etcd: str | None = None  # with `start_ha`: the etcd endpoint every policy names
+        self.masters: dict[int, subprocess.Popen] = {}  # HA masters by host
 
     @property
     def k(self) -> int:
@@ -79,7 +84,8 @@ class HostCluster:
                 "index": {"path": str(home / "index"), "map_size": "64MiB"},
                 "master": {"address": self.master_address if self.master_host is not None
                            else f"{self.hosts.addresses[i]}:{MASTER_PORT}",
-                           "embedded": False, "run_dir": str(home / "run")},
+                           "embedded": False, "run_dir": str(home / "run"),
+                           **({"etcd": [self.etcd]} if self.etcd else {})},
                 "tiers": [every[t] for t in tiers]}
 
     def write_policy(self, i: int, name: str = "policy.yaml", **kw) -> Path:
@@ -105,6 +111,57 @@ class HostCluster:
             time.sleep(0.2)
         raise HostsError(f"the master on host {i} did not answer within {START_S:.0f}s")
 
+    def start_ha(self, leader: int, standby: int, etcd: int) -> None:
+        """Mooncake's HA masters: etcd on host `etcd`, a master on `leader` started (and
+        leading) first, then one on `standby`, both campaigning in that etcd."""
+        addr = self.hosts.addresses[etcd]
+        client, peer = f"http://{addr}:{ETCD_PORT}", f"http://{addr}:{ETCD_PORT + 1}"
+        home = self.home(etcd)
+        with open(home / "etcd.log", "ab") as log:
+            self.hosts.popen(etcd, ["etcd", "--name", "kvtier", "--data-dir",
+                                    str(home / "etcd"), "--listen-client-urls", client,
+                                    "--advertise-client-urls", client, "--listen-peer-urls",
+                                    peer, "--initial-advertise-peer-urls", peer,
+                                    "--initial-cluster", f"kvtier={peer}", "--log-level",
+                                    "warn"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        self._wait(etcd, f"{addr}:{ETCD_PORT}", "etcd")
+        self.etcd = f"{addr}:{ETCD_PORT}"
+        self.master_host = leader
+        self.start_ha_master(leader)
+        self.start_ha_master(standby)
+
+    def start_ha_master(self, i: int) -> None:
+        """`kvtier master --ha` on host i, bound to its address; returns once it has joined
+        the election (a standby answers no RPC until it leads)."""
+        address = f"{self.hosts.addresses[i]}:{MASTER_PORT}"
+        policy = self.write_policy(i, "master.yaml")
+        path = self.home(i) / "master.log"
+        start = path.stat().st_size if path.exists() else 0
+        with open(path, "ab") as log:
+            proc = self.masters[i] = self.hosts.popen(
+                i, kvtier_argv("master", "-p", str(policy), "--ha", "--address", address),
+                stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        end = time.monotonic() + START_S
+        while b"joined the election" not in path.read_bytes()[start:]:
+            if proc.poll() is not None or time.monotonic() > end:
+                raise HostsError(f"the HA master on host {i} did not join the election "
+                                 f"within {START_S:.0f}s; see {path}")
+            time.sleep(0.2)
+
+    def kill_ha_master(self, i: int) -> None:
+        proc = self.masters.pop(i, None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def _wait(self, i: int, address: str, what: str) -> None:
+        end = time.monotonic() + START_S
+        while not self.answers(i, address):
+            if time.monotonic() > end:
+                raise HostsError(f"{what} on host {i} did not answer at {address} within "
+                                 f"{START_S:.0f}s; see the logs under {self.home(i)}")
+            time.sleep(0.2)
+
     def answers(self, i: int, address: str, timeout_s: float = 0.5) -> bool:
         """Whether `address` accepts a TCP connection from host i."""
         host, port = address.rsplit(":", 1)
@@ -117,8 +174,9 @@ class HostCluster:
     def close(self) -> None:
         """Stop everything on every host and delete the hosts (always safe to call)."""
         self.hosts.close()
-        if self.master is not None:
-            self.master.wait(timeout=10)
+        for proc in [self.master, *self.masters.values()]:
+            if proc is not None:
+                proc.wait(timeout=10)
 
     def __enter__(self) -> "HostCluster":
         return self

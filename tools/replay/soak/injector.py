@@ -14,9 +14,11 @@ Faults (`FAULTS`, in this order):
 - on several hosts (`hosts`: a `tools.hosts.cluster.HostCluster`), `link-cut`: one
   instance host (in turn) is taken off the network for `cut_s` and put back; `host-kill`:
   every process of one instance host is SIGKILLed (a lender gone while others read its
-  blocks) and its instances are started again. The seconds from each one's end (link back,
-  instances up) to the next block served from the pool are its recovery time, as for the
-  master.
+  blocks) and its instances are started again; with HA masters (`ha`: [leader host,
+  standby host]), `leader-kill`: the leading master SIGKILLed, the standby takes over, the
+  old one joins again as standby after `cut_s`. The seconds from each one's end (link back,
+  instances up; for a leader kill, the kill) to the next block served from the pool are its
+  recovery time, as for the master.
 Everything runs on the soak's own thread between two store calls (`tick`), so a master it
 starts lives as long as the soak (a master dies with the thread that started it). The
 corrupted keys are kept (`corrupted`) so that the end of the soak can read them back.
@@ -32,7 +34,7 @@ from kvtier.store.base.errors import MasterError
 from kvtier.tools.replay.soak.faults import Balloon, corrupt_block_file, corrupt_frame
 
 FAULTS = ("process-kill", "master-restart", "disk-full", "corrupt-file")
-HOST_FAULTS = ("link-cut", "host-kill")  # with --hosts
+HOST_FAULTS = ("link-cut", "host-kill", "leader-kill")  # with --hosts (leader-kill: --ha)
 MASTER_DOWN_S = 3.0
 LINK_CUT_S = 20.0
 DISK_FULL_HOLD_S = 10.0
@@ -42,13 +44,15 @@ MASTER_START_TRIES = 5
 class Injector:
     def __init__(self, every_s: float, master, nodes: list, disk, shared_root: Path,
                  rng: random.Random, say, faults: tuple[str, ...] = FAULTS, hosts=None,
-                 node_hosts: dict[str, int] | None = None):
+                 node_hosts: dict[str, int] | None = None, ha: list[int] | None = None):
         self.every_s, self.master, self.nodes, self.disk = every_s, master, nodes, disk
         self.hosts, self.node_hosts = hosts, node_hosts or {}
         self.instance_hosts = sorted(set(self.node_hosts.values()))
+        self.ha = list(ha or [])  # [the leading master's host, the standby's]
         self.cut_s = min(LINK_CUT_S, every_s / 2)
         self.since: dict[str, float] = {}  # fault kind -> when it ended, until a pool hit
         self.recovery_by_fault: dict[str, list[float]] = {}
+        self.unrecovered_by_fault: dict[str, list[float]] = {}  # no pool hit before the next
         self.shared_root, self.rng, self.say, self.faults = shared_root, rng, say, faults
         self.down_s = min(MASTER_DOWN_S, every_s / 3)
         self.hold_s = min(DISK_FULL_HOLD_S, every_s / 2)
@@ -83,6 +87,9 @@ class Injector:
         for _, undo in sorted(self.pending, key=lambda p: p[0]):
             undo(now)
         self.pending.clear()
+        for kind, since in self.since.items():
+            self.unrecovered_by_fault.setdefault(kind, []).append(round(now - since, 2))
+        self.since.clear()
         if self.up_at is not None:
             self.unrecovered_s.append(round(now - self.up_at, 2))
             self.up_at = None
@@ -137,6 +144,14 @@ class Injector:
                      "master came back")
             self.up_at = None
 
+    def _recovering(self, kind: str, since: float, now: float) -> None:
+        """`kind` ended at `since`: its recovery lasts until the next pool hit (one still
+        waiting is recorded as unrecovered, for as long as it waited)."""
+        if kind in self.since:
+            self.unrecovered_by_fault.setdefault(kind, []).append(
+                round(now - self.since[kind], 2))
+        self.since[kind] = since
+
     def _next_host(self, kind: str) -> int | None:
         if not self.instance_hosts:
             return None
@@ -154,7 +169,7 @@ class Injector:
 
     def _link_back(self, now: float, i: int) -> None:
         self.hosts.hosts.restore(i)
-        self.since["link-cut"] = now
+        self._recovering("link-cut", now, now)
         self.say(f"[{now:6.1f} s] host {i} back on the network")
 
     def _host_kill(self, now: float) -> None:
@@ -171,7 +186,23 @@ class Injector:
                      f"instances {', '.join(n.node for n in nodes)} started again")
         for node in nodes:
             node.host_killed()
-        self.since["host-kill"] = now + time.monotonic() - t  # from its instances being up
+        self._recovering("host-kill", now + time.monotonic() - t, now)  # from its instances up
+
+    def _leader_kill(self, now: float) -> None:
+        if len(self.ha) < 2:
+            self._record(now, "leader-kill", "no HA masters (--ha)", skipped=True)
+            return
+        old, new = self.ha
+        self.hosts.kill_ha_master(old)
+        self.ha = [new, old]
+        self._recovering("leader-kill", now, now)
+        self.pending.append((now + self.cut_s, lambda t, i=old: self._standby_up(t, i)))
+        self._record(now, "leader-kill", f"the leading master on host {old} SIGKILLed; the "
+                     f"standby on host {new} takes over")
+
+    def _standby_up(self, now: float, i: int) -> None:
+        self.hosts.start_ha_master(i)
+        self.say(f"[{now:6.1f} s] the master on host {i} is back, as a standby")
 
     def _disk_full(self, now: float) -> None:
         if self.disk.skipped:

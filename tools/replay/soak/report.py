@@ -82,11 +82,14 @@ def by_fault(ivs: list[dict], inj) -> dict:
     out: dict = {}
     for kind, c in inj.counts.items():
         mine = [iv for iv in ivs if iv["fault"] == kind]
-        rec = inj.recovery_s if kind == "master-restart" else \
-            inj.recovery_by_fault.get(kind, [])
+        master = kind == "master-restart"
+        rec = inj.recovery_s if master else inj.recovery_by_fault.get(kind, [])
         out[kind] = {**c, "failed": sum(iv["failed"] for iv in mine),
                      "wrong": sum(iv["wrong"] for iv in mine), "recovery_s": rec,
-                     "recovery_max_s": max(rec) if rec else None}
+                     "recovery_max_s": max(rec) if rec else None,
+                     "recovery_median_s": round(statistics.median(rec), 2) if rec else None,
+                     "unrecovered_s": inj.unrecovered_s if master else
+                     inj.unrecovered_by_fault.get(kind, [])}
     return out
 
 
@@ -127,6 +130,13 @@ def verdict(r: dict, bound_s: float) -> list[str]:
     if slow:
         why.append(f"the pool served no hit within {bound_s:.0f} s of a master restart "
                    f"({len(slow)} times)")
+    for kind, f in r.get("by_fault", {}).items():
+        if kind == "master-restart":
+            continue  # above
+        late = [x for x in f["recovery_s"] + f["unrecovered_s"] if x > bound_s]
+        if late:
+            why.append(f"the pool served no hit within {bound_s:.0f} s of a {kind} "
+                       f"({len(late)} times)")
     return why
 
 

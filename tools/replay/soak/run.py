@@ -41,6 +41,7 @@ from kvtier.store.base.keys import Namespace
 from kvtier.store.check.node import check_node
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 from kvtier.tools.jsonout import plain
+from kvtier.tools.threads import in_threads
 from kvtier.tools.replay.cluster import Config, ReplayError, Sizing, node_policy
 from kvtier.tools.replay.experiment import (EngineSpec, build_plan, bytes_per_token,
                                             kv_tokens_for)
@@ -65,6 +66,7 @@ class SoakSpec:
     seconds: float
     fault_every_s: float = 60.0
     faults: tuple[str, ...] = FAULTS
+    ha: bool = False  # with hosts: HA masters (leader, standby) and etcd on hosts of their own
 
     def check(self) -> None:
         self.engine.check()
@@ -81,6 +83,12 @@ class SoakSpec:
         if self.engine.hosts < 2 and set(self.faults) & set(HOST_FAULTS):
             raise ReplayError(f"--faults {', '.join(HOST_FAULTS)} need several hosts: add "
                               "--hosts 2 or more")
+        if ("leader-kill" in self.faults) != self.ha:
+            raise ReplayError("--faults leader-kill goes with --ha (HA masters), and --ha "
+                              "with it" if self.ha else "--faults leader-kill needs --ha")
+        if self.ha and "master-restart" in self.faults:
+            raise ReplayError("--ha has no single master to restart: drop master-restart "
+                              "from --faults (leader-kill kills the leader)")
 
 
 def soak_policy(root: Path, disk: Path, node: str, address: str, es: EngineSpec,
@@ -101,11 +109,15 @@ def run_soak(spec: SoakSpec, ui) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
     hosts = None
-    if es.hosts > 1:  # instance k on host k % hosts, the master on one more
+    if es.hosts > 1:  # instance k on host k % hosts, the master(s) and etcd on more
         from kvtier.tools.hosts.cluster import HostCluster
-        hosts = HostCluster(es.hosts + 1, root / "hosts")
+        hosts = HostCluster(es.hosts + (3 if spec.ha else 1), root / "hosts")
         hosts.hosts.on_signals()
-        hosts.master_host = es.hosts
+        if spec.ha:
+            ui.say("starting etcd and two HA masters")
+            hosts.start_ha(es.hosts, es.hosts + 1, es.hosts + 2)
+        else:
+            hosts.master_host = es.hosts
         address = hosts.master_address
     else:
         address = f"127.0.0.1:{free_port()}"
@@ -202,9 +214,14 @@ class Soak:
     def run(self, disk: SoakDisk, address: str, plan) -> dict:
         es = self.spec.engine
         node_hosts: dict[str, int] = {}
+        ha = None
         if self.hosts is not None:
             from kvtier.tools.hosts.cluster import HostMaster
-            master = HostMaster(self.hosts, es.hosts).start()
+            master = HostMaster(self.hosts, es.hosts)
+            if self.spec.ha:
+                ha = [es.hosts, es.hosts + 1]  # started by run_soak
+            else:
+                master.start()
             node_hosts = {node: k % es.hosts for k, node in enumerate(self.pols)}
         else:
             master = EmbeddedMaster(MasterConfig(address=address),
@@ -224,7 +241,7 @@ class Soak:
                 node.worker.ready()
             self.injector = Injector(self.spec.fault_every_s, master, nodes, disk,
                                      disk.where / "shared", self.rng, self.ui.say,
-                                     self.spec.faults, self.hosts, node_hosts)
+                                     self.spec.faults, self.hosts, node_hosts, ha)
             self.t0 = time.monotonic()  # the soak's clock starts with the cluster up
             reps = self._replay(nodes, plan, Calibration.load(es.calibration).model)
             self.injector.finish(self.now())
@@ -234,8 +251,8 @@ class Soak:
                 if self.injector is not None:
                     self.injector.finish(self.now())  # the master back: clients close fast
             finally:
-                for node in nodes:
-                    node.close()
+                # at once: a client of HA masters takes ~30 s to close (README)
+                in_threads([node.close for node in nodes])
                 master.stop()
         checks = {node: check_node(policy_from_dict(pol, source=f"<soak {node}>"),
                                    node_id=node) for node, pol in self.pols.items()}
