@@ -36,11 +36,19 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
          dir: Optional[Path] = typer.Option(None, "--dir", help="keep the model, tiers and "
                                             "logs here (default: a temp dir)"),
          json_out: Optional[Path] = typer.Option(None, "--json", help="write the numbers here"),
+         peers: Optional[str] = typer.Option(None, "--peers", help="instead: kvtier beside "
+                                             "other connectors (mooncake-store, lmcache; "
+                                             "comma-separated) and vLLM alone, cold / local "
+                                             "/ cross-process hit, outputs checked"),
          ) -> None:
     """TTFT on real vLLM engines: cold, local prefix hit, remote hit from dram/nvme/shared."""
     from kvtier.tools.bench.vllm import BenchSpec, run_bench
     from kvtier.tools.vllm_engine import MODEL_KINDS
 
+    if peers is not None:
+        from kvtier.tools.commands.bench_peers import run_peers_command
+        run_peers_command(peers, sizes, repeats, dtype, pool, not multiproc, dir, json_out)
+        return
     if model_kind not in MODEL_KINDS:
         raise typer.BadParameter(f"{model_kind!r}: use one of {', '.join(MODEL_KINDS)}",
                                  param_hint="--model-kind")
