@@ -12,6 +12,7 @@ measurement):
   that saved them (in its embedded mode they go with the saving process); each engine its
   own `lookup_rpc_port` (the default IPC path is one per host: a second engine's lookup
   server would unlink the first's); settled when the master's key count stops growing.
+- `lmcache`: `tools.bench.lmcache_peer`.
 - `vllm-alone`: one engine without a connector, the reference every output is checked
   against; its "local" after a prefix-cache reset is a recompute, and it has no `b`.
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from kvtier.tools.bench.vllm import BenchSpec, Result
 from kvtier.tools.vllm_engine import EngineError, make_tiny_model, random_prompt
 
-PEERS = ("mooncake-store",)
+PEERS = ("mooncake-store", "lmcache")
 CASES = ("cold", "local", "cross")
 
 
@@ -66,7 +66,8 @@ class Run:
 
 def _systems(spec: PeersSpec):
     from kvtier.tools.bench import peer_systems as ps
-    known = {"kvtier": ps.Kvtier, "mooncake-store": ps.MooncakeStore,
+    from kvtier.tools.bench.lmcache_peer import LMCache
+    known = {"kvtier": ps.Kvtier, "mooncake-store": ps.MooncakeStore, "lmcache": LMCache,
              "vllm-alone": ps.VllmAlone}
     names = (["kvtier"] if spec.kvtier else []) + list(spec.peers) + ["vllm-alone"]
     return [(name, known[name]) for name in names], ps.PeerUnavailable
