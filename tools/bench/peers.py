@@ -79,12 +79,25 @@ def start_systems(spec: PeersSpec, root: Path, say) -> tuple[list, dict[str, str
     its reason, and kvtier or vLLM alone failing to start fails the bench."""
     classes, unavailable = _systems(spec)
     make_tiny_model(root / "model")
-    prepared, errors = [], []
+    prepared, errors, skipped = [], [], {}
+
+    def skip(system, e: BaseException) -> None:
+        """A peer's failure to start is its reason to be skipped; anything else's fails."""
+        if system.name not in spec.peers or not isinstance(e, (unavailable, EngineError)):
+            raise e
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        skipped[system.name] = first if isinstance(e, unavailable) else \
+            f"its engine failed to start: {first} (logs in {root})"
+        say(f"skipping {system.name}: {skipped[system.name]}")
+
     try:
         for _, cls in classes:
             system = cls(root, spec.bench_spec())
-            system.prepare()
-            prepared.append(system)
+            try:
+                system.prepare()
+                prepared.append(system)
+            except Exception as e:
+                skip(system, e)
         say("starting " + ", ".join(s.name for s in prepared))
         with ThreadPoolExecutor(len(prepared)) as pool:
             errors = list(pool.map(_start, prepared))
@@ -92,19 +105,16 @@ def start_systems(spec: PeersSpec, root: Path, say) -> tuple[list, dict[str, str
         if len(errors) < len(prepared):  # a prepare (or the pool) failed
             for system in prepared:
                 system.close()
-    started, skipped, fatal = [], {}, None
+    started, fatal = [], None
     for system, e in zip(prepared, errors):
         if e is None:
             started.append(system)
             continue
         system.close()
-        if system.name in spec.peers and isinstance(e, (unavailable, EngineError)):
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            skipped[system.name] = first if isinstance(e, unavailable) else \
-                f"its engine failed to start: {first} (logs in {root})"
-            say(f"skipping {system.name}: {skipped[system.name]}")
-        else:
-            fatal = fatal or e
+        try:
+            skip(system, e)
+        except Exception as err:
+            fatal = fatal or err
     if fatal is not None:
         for system in started:
             system.close()
