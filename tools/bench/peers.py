@@ -21,6 +21,7 @@ skipped with its reason; kvtier and vLLM alone must run.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -162,6 +163,7 @@ def mismatches(runs: list[Run]) -> list[str]:
 
 def run_peers(spec: PeersSpec, root: Path | None = None, progress=print) -> dict:
     """Run the comparison; the document `--json` writes (rows per system, size and case)."""
+    load_start = [round(x, 2) for x in os.getloadavg()]  # the machine may be shared
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-peers-") as tmp:
         root = Path(root or tmp)
         root.mkdir(parents=True, exist_ok=True)
@@ -184,6 +186,7 @@ def run_peers(spec: PeersSpec, root: Path | None = None, progress=print) -> dict
                 system.close()
     runs_list = list(runs.values())
     return {"spec": asdict(spec), "systems": [s.name for s in systems], "skipped": skipped,
+            "loadavg": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
             "rows": [row(r, case) for r in runs_list for case in CASES
                      if r.result.ttft_s[case]],
             "mismatches": mismatches(runs_list), "missed_hits": missed_hits(runs_list)}

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import shlex
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from kvtier.tools.jsonout import write_report
 
 
 def run_peers_command(peers: str, sizes: str, repeats: int, dtype: str, pool: str,
@@ -41,9 +40,7 @@ def run_peers_command(peers: str, sizes: str, repeats: int, dtype: str, pool: st
     for m in doc["missed_hits"]:
         console.print(f"  [yellow]missed hit[/] {m}")
     if json_out is not None:
-        doc["command"] = "kvtier " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(doc, indent=2))
+        write_report(doc, json_out)
 
 
 def render(console: Console, doc: dict, stat: str, title: str) -> None:
