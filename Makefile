@@ -9,11 +9,12 @@ DEB_PKGS := libibverbs1 librdmacm1 libnuma1 fio etcd-server glusterfs-server glu
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup deb venv clean bench-tiers help
+.PHONY: demo test setup deb venv clean bench-tiers peers help
 
 help:
 	@echo "make demo   set up and run the main job on the embedded defaults"
 	@echo "make test   set up and run the whole test suite"
+	@echo "make peers  build the other connectors 'kvtier bench vllm --peers' compares (LMCache)"
 
 setup: deb venv
 
@@ -49,5 +50,27 @@ demo: setup
 bench-tiers: setup
 	$(VENV)/bin/kvtier bench tiers
 
+# The peers `kvtier bench vllm --peers` runs beside kvtier, each in a venv of its own (they are
+# not kvtier's dependencies). MooncakeStore is vLLM's own and needs nothing more. LMCache's
+# pins would replace vLLM's and torch's, so it installs without them, plus the one module it
+# imports that kvtier's venv lacks; vLLM, torch and the rest come from kvtier's venv (a .pth
+# naming its site dirs), kvtier itself from this checkout (the engine host runs there).
+PEERS          := .venv-peers
+LMCACHE        := $(PEERS)/lmcache
+LMCACHE_PKG    := lmcache==0.5.6
+LMCACHE_EXTRAS := opentelemetry-exporter-prometheus
+
+peers: $(LMCACHE)/.stamp-install
+$(LMCACHE)/.stamp-install: $(VENV)/.stamp-install pyproject.toml
+	@[ -x $(LMCACHE)/bin/python ] || $(PY) -m venv $(LMCACHE)
+	@$(PY) -c "import sys; print('\n'.join(p for p in sys.path if p.endswith('site-packages')))" \
+	  > $$(ls -d $(LMCACHE)/lib/python3*/site-packages)/_kvtier_venv.pth
+	@# the venv's own old setuptools cannot build kvtier editable; kvtier's venv has a newer one
+	$(LMCACHE)/bin/python -m pip uninstall -q -y setuptools 2>/dev/null || true
+	$(LMCACHE)/bin/python -m pip install -q --no-deps $(LMCACHE_PKG)
+	$(LMCACHE)/bin/python -m pip install -q $(LMCACHE_EXTRAS)
+	$(LMCACHE)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	@touch $@
+
 clean:
-	rm -rf $(VENV) .stamp-deb .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(PEERS) .stamp-deb .pytest_cache .hypothesis *.egg-info

@@ -17,7 +17,8 @@
   runs in one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor): scheduler and
   worker in one address space, which starts in seconds instead of a minute on small CPUs.
   `num_blocks` overrides the KV cache size (to force preemption); `engine_args` go to
-  `LLM(...)` as they are (e.g. `async_scheduling`); `dtype="float32"` keeps
+  `LLM(...)` as they are (e.g. `async_scheduling`); `python` runs the engine under another
+  interpreter (a venv with a peer connector installed beside vLLM); `dtype="float32"` keeps
   greedy outputs comparable across batch shapes (a random model's logits have near-ties
   that bf16 rounding flips: vLLM alone gives different tokens batched and unbatched).
 - `kvtier_transfer_config(policy)`: the `--kv-transfer-config` for the kvtier connector;
@@ -134,7 +135,8 @@ class Engine:
                  max_model_len: int = 20480, kv_cache_gib: int = 1,
                  num_blocks: int | None = None, dtype: str = "bfloat16", inproc: bool = True,
                  env: dict[str, str] | None = None, engine_args: dict | None = None,
-                 startup_timeout_s: float = 600, prefix: list[str] | None = None):
+                 startup_timeout_s: float = 600, prefix: list[str] | None = None,
+                 python: str | None = None):
         self.log_path = Path(log_path)
         spec = {"model": str(model), "kv_transfer_config": kv_transfer_config,
                 "block_size": block_size, "max_model_len": max_model_len, "inproc": inproc,
@@ -149,7 +151,8 @@ class Engine:
         try:
             # `prefix`: what runs the engine elsewhere (`ip netns exec HOST`: another host)
             self.proc = subprocess.Popen(
-                [*(prefix or []), sys.executable, "-m", "kvtier.connector.harness.engine_host",
+                [*(prefix or []), python or sys.executable, "-m",
+                 "kvtier.connector.harness.engine_host",
                  json.dumps(spec)],
                 stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
                 env=child_env, pass_fds=(wfd,), start_new_session=True)

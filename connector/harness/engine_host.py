@@ -106,11 +106,26 @@ class _Host:
             _reply({"bye": True})
             return False
         elif op == "reset_prefix_cache":
-            _reply({"ok": self.llm.reset_prefix_cache()})
+            _reply({"ok": self._reset_prefix_cache()})
         else:
             while self.live:  # LLM.generate would step (and swallow) the submitted ones
                 self._step()
             _reply(_generate(self.llm, cmd))
+        return True
+
+    def _reset_prefix_cache(self, timeout_s: float = 60) -> bool:
+        """Reset vLLM's prefix cache once no finished request holds blocks. A connector
+        that saves after the request ends (MooncakeStore) keeps its blocks until it reports
+        the save done, which vLLM learns at a step; `vllm serve` steps all the time, this
+        host only while requests run, so it steps the idle engine here (in one process;
+        a multi-process engine's core steps by itself)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.llm.reset_prefix_cache():
+            if time.monotonic() > deadline:
+                return False
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+                self._step()  # reports what submitted requests produce, as the loop does
+            time.sleep(0.01)
         return True
 
     def _submit(self, arrival: float, cmd: dict) -> None:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import shlex
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from kvtier.tools.jsonout import write_report
 
 
 def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in tokens"),
@@ -36,11 +35,19 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
          dir: Optional[Path] = typer.Option(None, "--dir", help="keep the model, tiers and "
                                             "logs here (default: a temp dir)"),
          json_out: Optional[Path] = typer.Option(None, "--json", help="write the numbers here"),
+         peers: Optional[str] = typer.Option(None, "--peers", help="instead: kvtier beside "
+                                             "other connectors (mooncake-store, lmcache; "
+                                             "comma-separated) and vLLM alone, cold / local "
+                                             "/ cross-process hit, outputs checked"),
          ) -> None:
     """TTFT on real vLLM engines: cold, local prefix hit, remote hit from dram/nvme/shared."""
     from kvtier.tools.bench.vllm import BenchSpec, run_bench
     from kvtier.tools.vllm_engine import MODEL_KINDS
 
+    if peers is not None:
+        from kvtier.tools.commands.bench_peers import run_peers_command
+        run_peers_command(peers, sizes, repeats, dtype, pool, not multiproc, dir, json_out)
+        return
     if model_kind not in MODEL_KINDS:
         raise typer.BadParameter(f"{model_kind!r}: use one of {', '.join(MODEL_KINDS)}",
                                  param_hint="--model-kind")
@@ -66,9 +73,7 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
         for m in res["tier_mismatches"]:
             console.print(f"  [yellow]tier mismatch[/] {m}")
     if json_out is not None:
-        doc["command"] = "kvtier " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(doc, indent=2))
+        write_report(doc, json_out)
 
 
 def render(console: Console, doc: dict, stat: str, title: str) -> None:

@@ -1,0 +1,126 @@
+"""`kvtier bench vllm --peers`: the harness that runs other connectors beside kvtier.
+
+The engine test runs vLLM's MooncakeStoreConnector (it needs nothing beyond what kvtier
+installs) beside vLLM alone at one small size; the long variant adds kvtier's engines and
+goes through the command line; LMCache runs only where `make peers` built its venv.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rich.console import Console
+
+from kvtier.tools.bench import peers
+from kvtier.tools.bench.peer_systems import PeerUnavailable, System
+from kvtier.tools.bench.vllm import Result
+from kvtier.tools.commands.bench_peers import render
+
+N = 1024
+
+
+def _run(system: str, cold, local, cross=(), cached=(0, N - 32, N - 32), tokens=None):
+    run = peers.Run(system, Result(N, {"cold": list(cold), "local": list(local),
+                                       "cross": list(cross)}))
+    for case, values in zip(peers.CASES, (cold, local, cross)):
+        run.cached[case] = [cached[peers.CASES.index(case)]] * len(values)
+        run.tokens[case] = [tokens or [1, 2]] * len(values)
+    return run
+
+
+def test_outputs_are_checked_against_vllm_alone_and_hits_against_the_prompt():
+    alone = _run("vllm-alone", [0.1], [0.1], cached=(0, 0, 0))
+    good = _run("mooncake-store", [0.1], [0.01], [0.02])
+    assert peers.mismatches([alone, good]) == [] and peers.missed_hits([alone, good]) == []
+    wrong = _run("kvtier", [0.1], [0.01], [0.02], tokens=[1, 3])
+    assert len(peers.mismatches([alone, wrong])) == 3
+    missed = _run("kvtier", [0.1], [0.01], [0.02], cached=(0, N - 32, 0))
+    assert peers.missed_hits([missed]) == [f"kvtier cross@{N} round 1: 0 of {N} tokens cached"]
+
+
+def test_the_table_has_a_column_per_system_and_kvtier_over_each_other():
+    runs = [_run("kvtier", [0.2], [0.01], [0.02]),
+            _run("mooncake-store", [0.1], [0.02], [0.04]),
+            _run("vllm-alone", [0.1], [0.1], cached=(0, 0, 0))]
+    doc = {"spec": {"sizes": [N]}, "systems": [r.system for r in runs],
+           "rows": [peers.row(r, c) for r in runs for c in peers.CASES if r.result.ttft_s[c]]}
+    console = Console(record=True, width=200)
+    render(console, doc, "median", "t")
+    text = console.export_text()
+    assert "kvtier / mooncake-store" in text and "kvtier / vllm-alone" in text
+    cross = next(line for line in text.splitlines() if "cross" in line)
+    assert "20.0" in cross and "40.0" in cross and "0.50" in cross
+
+
+class _Fake(System):
+    def start(self) -> None:
+        self.engines = {"a": object()}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Missing(_Fake):
+    name = "lmcache"
+
+    def prepare(self) -> None:
+        raise PeerUnavailable("no LMCache venv at /x: run `make peers`")
+
+
+def test_a_missing_peer_is_skipped_with_its_reason(tmp_path, monkeypatch):
+    alone = type("Alone", (_Fake,), {"name": "vllm-alone"})
+    monkeypatch.setattr(peers, "_systems", lambda spec: (
+        [("lmcache", _Missing), ("vllm-alone", alone)], PeerUnavailable))
+    monkeypatch.setattr(peers, "make_tiny_model", lambda path: path)
+    started, skipped = peers.start_systems(peers.PeersSpec(peers=("lmcache",), kvtier=False),
+                                           tmp_path, lambda msg: None)
+    assert [s.name for s in started] == ["vllm-alone"]
+    assert skipped == {"lmcache": "no LMCache venv at /x: run `make peers`"}
+
+
+def test_the_lmcache_peer_says_how_to_build_it(tmp_path, monkeypatch):
+    from kvtier.tools.bench.lmcache_peer import LMCache
+    monkeypatch.setenv("KVTIER_PEERS_DIR", str(tmp_path))
+    with pytest.raises(PeerUnavailable, match="make peers"):
+        LMCache(tmp_path, peers.PeersSpec().bench_spec()).prepare()
+    with pytest.raises(ValueError, match="unknown peer"):
+        peers.PeersSpec(peers=("offloading",))
+
+
+def _check(doc: dict, systems: list[str]) -> None:
+    assert doc["systems"] == systems and doc["mismatches"] == [] and doc["missed_hits"] == []
+    rows = {(r["system"], r["case"]): r for r in doc["rows"]}
+    for system in systems:
+        cases = ("cold", "local") if system == "vllm-alone" else peers.CASES
+        assert {c for s, c in rows if s == system} == set(cases)
+    for system in systems[:-1]:  # the connectors' reads found at least all but the last block
+        for case in ("local", "cross"):
+            assert N - 32 <= rows[system, case]["cached_tokens"][0] < N
+        assert rows[system, "cold"]["cached_tokens"] == [0]
+
+
+@pytest.mark.vllm
+def test_mooncake_store_beside_vllm_alone(tmp_path):
+    pytest.importorskip("vllm")
+    spec = peers.PeersSpec(sizes=(N,), repeats=1, peers=("mooncake-store",), kvtier=False)
+    _check(peers.run_peers(spec, tmp_path, progress=lambda msg: None),
+           ["mooncake-store", "vllm-alone"])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_command_runs_kvtier_and_the_peers_side_by_side(tmp_path):
+    pytest.importorskip("vllm")
+    from typer.testing import CliRunner
+
+    from kvtier.tools.bench.lmcache_peer import peers_dir, venv_problem
+    from kvtier.tools.cli import app
+    wanted = "mooncake-store" + ("" if venv_problem(peers_dir() / "lmcache") else ",lmcache")
+    res = CliRunner().invoke(app, ["bench", "vllm", "--peers", wanted, "--sizes", str(N),
+                                   "--repeats", "1", "--dtype", "float32", "--dir",
+                                   str(tmp_path / "run"), "--json", str(tmp_path / "p.json")],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    _check(json.loads((tmp_path / "p.json").read_text()),
+           ["kvtier", *wanted.split(","), "vllm-alone"])

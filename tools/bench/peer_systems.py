@@ -1,0 +1,190 @@
+"""The systems `kvtier bench vllm --peers` puts side by side, each as its users would run it.
+
+A system is up to two engine processes of the tiny random model (`a` saves, `b` reads what
+`a` saved: the cross-process hit) and what they share, with `settle(prompt)` returning once
+what `a` saved of a prompt can be read (so no background work runs beside the next
+measurement):
+
+- `kvtier`: the two kvtier engines of `bench vllm` (`tools.bench.vllm.Bench`: nodes `a` and
+  `b`, pool, nvme, sharedfs); settled when sharedfs holds every chunk (the mover is done).
+- `mooncake-store`: vLLM's own `MooncakeStoreConnector` in its `standalone-store` mode: one
+  `mooncake_master` and one `mooncake_client` lending the pool, so blocks outlive the engine
+  that saved them (in its embedded mode they go with the saving process); each engine its
+  own `lookup_rpc_port` (the default IPC path is one per host: a second engine's lookup
+  server would unlink the first's); settled when the master's key count stops growing.
+- `lmcache`: `tools.bench.lmcache_peer`.
+- `vllm-alone`: one engine without a connector, the reference every output is checked
+  against; its "local" after a prefix-cache reset is a recompute, and it has no `b`.
+
+A peer that cannot run here raises `PeerUnavailable` (one line: why), and the bench skips it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvtier.store.base.config import MasterConfig, MooncakeTierConfig
+from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
+from kvtier.tiers.mooncake.service import PoolService
+from kvtier.tools.bench.vllm import Bench, BenchSpec
+from kvtier.tools.vllm_engine import Engine, random_prompt
+
+BLOCK_SIZE = 32  # vLLM's block size, kvtier's chunk: every system hits at the same grain
+LOOPBACK_ENV = {"VLLM_HOST_IP": "127.0.0.1", "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1"}
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer cannot run on this machine; the message says why, in one line."""
+
+
+class System:
+    """Engines `a` (and `b`) of one system; subclasses start them and know when saves land."""
+
+    name = ""
+    inproc = True  # false: vLLM's multi-process engine whatever the bench's spec says
+
+    def __init__(self, root: Path, spec: BenchSpec):
+        self.root, self.spec = root, spec
+        self.engines: dict[str, Engine] = {}
+        self.settled = 0  # objects stored at the last settle
+
+    def prepare(self) -> None:
+        """Start what the engines share, on the calling thread: the Mooncake children die
+        with the thread that started them (PR_SET_PDEATHSIG follows the thread), and
+        `start` may run on a short-lived one."""
+
+    def start(self) -> None:
+        """Start the engines (safe on any thread, beside other systems' starts)."""
+        raise NotImplementedError
+
+    def stored(self) -> int | None:
+        """How many objects the system's store holds, or None when it has no store."""
+        return None
+
+    def settle(self, prompt: list[int], timeout_s: float = 60, quiet_s: float = 0.3) -> None:
+        """Return once what `a` saved of `prompt` can be read: the store holds more objects
+        than at the last settle and the count has not grown for `quiet_s`. The peers save
+        from threads (or a server) of their own after the step, and the bench's prompts
+        are all new, so every save adds objects."""
+        last = self.stored()
+        if last is None:
+            return
+        deadline, since = time.monotonic() + timeout_s, time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            now = self.stored()
+            if now != last:
+                last, since = now, time.monotonic()
+            elif now > self.settled and time.monotonic() - since >= quiet_s:
+                break
+        self.settled = last
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+
+    def engine(self, node: str, kv_transfer_config: dict | None, env: dict | None = None,
+               python: str | None = None) -> Engine:
+        return Engine(self.root / "model", self.root / f"{self.name}-{node}.log",
+                      kv_transfer_config=kv_transfer_config, block_size=BLOCK_SIZE,
+                      dtype=self.spec.dtype, max_model_len=max(self.spec.sizes) + 256,
+                      inproc=self.spec.inproc and self.inproc, env=env, python=python)
+
+    def start_engines(self, configs: dict[str, tuple[dict | None, dict | None]],
+                      python: str | None = None) -> None:
+        """Start the engines side by side (most of a start is importing vLLM), then pay
+        the one-time costs of a first request and of `b`'s first read from the store, as
+        `bench vllm` does for kvtier."""
+        with ThreadPoolExecutor(len(configs)) as pool:
+            futures = {node: pool.submit(self.engine, node, kvc, env, python)
+                       for node, (kvc, env) in configs.items()}
+            for node, fut in futures.items():
+                self.engines[node] = fut.result()
+        for engine in self.engines.values():
+            for i, n in enumerate((512, min(self.spec.sizes))):
+                engine.generate([random_prompt(90_000 + i, n)], 1)
+        if "b" in self.engines:
+            warm = random_prompt(90_002, min(self.spec.sizes))
+            self.engines["a"].generate([warm], 1)
+            self.settle(warm)
+            self.engines["b"].generate([warm], 1)
+
+
+class Kvtier(System):
+    """kvtier's two engines, as `bench vllm` runs them (the pool as `spec.pool` says)."""
+
+    name = "kvtier"
+
+    def prepare(self) -> None:
+        self.bench = Bench(self.root / "kvtier", self.spec, progress=lambda _msg: None)
+
+    def start(self) -> None:
+        self.bench.start()
+        self.engines = self.bench.engines
+
+    def settle(self, prompt: list[int]) -> None:
+        self.bench.wait_persisted([prompt])
+
+    def close(self) -> None:
+        self.bench.close()
+
+
+class MooncakeStore(System):
+    """vLLM's `MooncakeStoreConnector`, standalone-store mode, over TCP on loopback."""
+
+    name = "mooncake-store"
+    POOL = "2GiB"  # the `mooncake_client`'s segment: kvtier's pool service lends as much
+
+    def prepare(self) -> None:
+        self.master = EmbeddedMaster(MasterConfig(address=f"127.0.0.1:{free_port()}",
+                                                  run_dir=self.root),
+                                     log_path=self.root / "mooncake-store-master.log").start()
+        self.client = None
+        try:
+            tier = MooncakeTierConfig(kind="mooncake", name="pool", capacity=self.POOL,
+                                      buffer="128MiB", service=f"127.0.0.1:{free_port()}")
+            self.client = PoolService(tier, self.master.cfg,
+                                      log_path=self.root / "mooncake-store-client.log").start()
+            (self.root / "mooncake-store.json").write_text(json.dumps({
+                "metadata_server": self.master.cfg.metadata_server,
+                "master_server_address": self.master.address, "protocol": "tcp",
+                "device_name": "", "mode": "standalone-store", "global_segment_size": 0,
+                "local_buffer_size": 512 << 20}))
+        except BaseException:
+            self.close()
+            raise
+
+    def start(self) -> None:
+        env = {"MOONCAKE_CONFIG_PATH": str(self.root / "mooncake-store.json"), **LOOPBACK_ENV}
+        self.start_engines({node: (self.transfer_config(), env) for node in ("a", "b")})
+
+    @staticmethod
+    def transfer_config() -> dict:
+        return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lookup_rpc_port": free_port()}}
+
+    def stored(self) -> int:
+        """The keys the master holds."""
+        with urllib.request.urlopen(self.master.metrics_url, timeout=2) as resp:
+            m = re.search(r"^master_key_count (\S+)", resp.read().decode(), re.M)
+        return int(float(m.group(1))) if m else 0
+
+    def close(self) -> None:
+        super().close()
+        if self.client is not None:
+            self.client.stop()
+        self.master.stop()
+
+
+class VllmAlone(System):
+    """One engine, no connector: the reference outputs and vLLM's own cold prefill."""
+
+    name = "vllm-alone"
+
+    def start(self) -> None:
+        self.start_engines({"a": (None, None)})
