@@ -84,7 +84,7 @@ class Sizing:
 def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
                 chunk_tokens: int, eviction: str, admission: str,
                 tiers_root: Path | None = None, service: str | None = None,
-                count_hosts: bool = False) -> dict:
+                count_hosts: bool = False, etcd: str | None = None) -> dict:
     """The inline policy of one instance (`node`) of configuration `cfg`; its index lives
     under `root`, its nvme dir and the shared dir under `tiers_root` (default `root`).
     `service`: the instances join the pool service there (one segment holding the whole
@@ -108,7 +108,8 @@ def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
                    "capacity": max(64 << 20, 2 * ws)}]
     return {"namespace": {"model": MODEL_NAME}, "chunk_tokens": chunk_tokens,
             "index": {"path": str(root / node / "index"), "map_size": "64MiB"},
-            "master": {"address": master, "embedded": False},
+            "master": {"address": master, "embedded": False,
+                       **({"etcd": [etcd]} if etcd else {})},
             "eviction": {"kind": eviction}, "admission": {"kind": admission},
             "tiers": tiers}
 

@@ -92,10 +92,12 @@ class SoakSpec:
 
 
 def soak_policy(root: Path, disk: Path, node: str, address: str, es: EngineSpec,
-                sizing: Sizing) -> dict:
-    """The replay's node policy, with the nvme and shared dirs on the soak's disk."""
+                sizing: Sizing, etcd: str | None = None) -> dict:
+    """The replay's node policy, with the nvme and shared dirs on the soak's disk (`etcd`:
+    the HA masters' etcd)."""
     return node_policy(root, node, address, Config("kvtier", es.dram[0], "kvtier"), sizing,
-                       es.chunk_tokens, es.eviction, es.admission, tiers_root=disk)
+                       es.chunk_tokens, es.eviction, es.admission, tiers_root=disk,
+                       etcd=etcd)
 
 
 def run_soak(spec: SoakSpec, ui) -> dict:
@@ -121,7 +123,8 @@ def run_soak(spec: SoakSpec, ui) -> dict:
         address = hosts.master_address
     else:
         address = f"127.0.0.1:{free_port()}"
-    pols = {f"n{k}": soak_policy(root, root / "disk", f"n{k}", address, es, sizing)
+    etcd = hosts.etcd if hosts is not None else None
+    pols = {f"n{k}": soak_policy(root, root / "disk", f"n{k}", address, es, sizing, etcd)
             for k in range(n)}
     size = DISK_SLACK + sum(t["capacity"] for p in pols.values() for t in p["tiers"]
                             if t["kind"] != "mooncake")
