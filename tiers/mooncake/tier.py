@@ -46,7 +46,7 @@ from typing import Sequence
 from kvtier.store.base.block import (HEADER_SIZE, KEY_AT, KEY_LEN, parse_header, verified_len,
                                      verify, verify_used)
 from kvtier.store.base.config import MooncakeTierConfig
-from kvtier.store.base.errors import CorruptBlockError, TierError
+from kvtier.store.base.errors import CorruptBlockError, TierError, TierUnavailableError
 from kvtier.store.base.verify_pool import verified_lens
 from kvtier.tiers.base import MISS, InPlaceRun, Tier, full_error
 from kvtier.tiers.mooncake import check as mooncake_check
@@ -116,8 +116,9 @@ class MooncakeTier(Tier):
             if self.client.master_answers():
                 # slow, not gone (a client still settling after the master restarted, a
                 # busy host): a miss this once; reconnecting would stall the tier again
-                raise TierError(f"tier {self.cfg.name!r}: batch_is_exist {what}; the master "
-                                "answers: this lookup skips the pool") from None
+                raise TierUnavailableError(f"tier {self.cfg.name!r}: batch_is_exist {what}; "
+                                           "the master answers: this call skips the pool"
+                                           ) from None
             raise self.client.fail("batch_is_exist", what) from None
         out = []
         for key, code in zip(keys, codes):
