@@ -133,6 +133,7 @@ def test_hosts_are_swept_when_their_owner_died(tmp_path):
     assert not any((netns.NETNS_DIR / n).exists() for n in left)
 
 
+@pytest.mark.slow
 def test_the_sim_replay_on_three_hosts_hits_as_on_one_and_counts_cross_host_hits(tmp_path):
     import json
 
@@ -211,6 +212,7 @@ def test_blocks_persisted_on_one_host_read_on_another_over_glusterfs(tmp_path):
     assert not os.path.ismount(vol.mnt)
 
 
+@pytest.mark.slow
 def test_a_short_soak_across_hosts_cuts_links_and_kills_hosts_and_serves_nothing_wrong(tmp_path):
     import json
 

@@ -108,7 +108,10 @@ class MooncakeTier(Tier):
             return []
         # Bounded: a master across a cut link answers nothing for ~30 s (Mooncake's RPC
         # timeout), and a lookup must never cost more than the recompute it could save.
-        asked = self._lookups.submit(self._exist, list(keys))
+        try:
+            asked = self._lookups.submit(self._exist, list(keys))
+        except RuntimeError:  # its executor is shut down: the tier was closed
+            raise TierError(f"tier {self.cfg.name!r} is closed") from None
         try:
             codes = asked.result(timeout=self.cfg.call_timeout_s)
         except FutureTimeout:
