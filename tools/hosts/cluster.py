@@ -53,6 +53,19 @@ class HostCluster:
         self.etcd: str | None = None  # with `start_ha`: the etcd endpoint every policy names
         self.masters: dict[int, subprocess.Popen] = {}  # HA masters by host
 
+    @classmethod
+    def for_engines(cls, engine_hosts: int, root: Path) -> "HostCluster":
+        """`engine_hosts` hosts for a replay's engines and one more running the master,
+        torn down on SIGTERM/SIGINT too (what `replay --hosts` makes)."""
+        cluster = cls(engine_hosts + 1, root)
+        try:
+            cluster.hosts.on_signals()
+            cluster.start_master(engine_hosts)
+        except BaseException:
+            cluster.close()
+            raise
+        return cluster
+
     @property
     def k(self) -> int:
         return self.hosts.k
@@ -101,15 +114,8 @@ class HostCluster:
         self.master = self.hosts.popen(i, kvtier_argv("master", "-p", str(policy)),
                                        stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
-        end = time.monotonic() + START_S
-        while time.monotonic() < end:
-            if self.master.poll() is not None:
-                raise HostsError(f"kvtier master on host {i} exited with code "
-                                 f"{self.master.returncode}; see {self.home(i) / 'master.log'}")
-            if self.answers(i, self.master_address):
-                return self.master_address
-            time.sleep(0.2)
-        raise HostsError(f"the master on host {i} did not answer within {START_S:.0f}s")
+        self._wait(i, self.master_address, "kvtier master", self.master)
+        return self.master_address
 
     def start_ha(self, leader: int, standby: int, etcd: int) -> None:
         """Mooncake's HA masters: etcd on host `etcd`, a master on `leader` started (and
@@ -118,13 +124,13 @@ class HostCluster:
         client, peer = f"http://{addr}:{ETCD_PORT}", f"http://{addr}:{ETCD_PORT + 1}"
         home = self.home(etcd)
         with open(home / "etcd.log", "ab") as log:
-            self.hosts.popen(etcd, ["etcd", "--name", "kvtier", "--data-dir",
+            proc = self.hosts.popen(etcd, ["etcd", "--name", "kvtier", "--data-dir",
                                     str(home / "etcd"), "--listen-client-urls", client,
                                     "--advertise-client-urls", client, "--listen-peer-urls",
                                     peer, "--initial-advertise-peer-urls", peer,
                                     "--initial-cluster", f"kvtier={peer}", "--log-level",
                                     "warn"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-        self._wait(etcd, f"{addr}:{ETCD_PORT}", "etcd")
+        self._wait(etcd, f"{addr}:{ETCD_PORT}", "etcd", proc)
         self.etcd = f"{addr}:{ETCD_PORT}"
         self.master_host = leader
         self.start_ha_master(leader)
@@ -154,9 +160,14 @@ class HostCluster:
             proc.kill()
             proc.wait()
 
-    def _wait(self, i: int, address: str, what: str) -> None:
+    def _wait(self, i: int, address: str, what: str,
+              proc: subprocess.Popen | None = None) -> None:
+        """Until `address` answers from host i; `proc` (what serves it) must not exit."""
         end = time.monotonic() + START_S
         while not self.answers(i, address):
+            if proc is not None and proc.poll() is not None:
+                raise HostsError(f"{what} on host {i} exited with code {proc.returncode}; "
+                                 f"see the logs under {self.home(i)}")
             if time.monotonic() > end:
                 raise HostsError(f"{what} on host {i} did not answer at {address} within "
                                  f"{START_S:.0f}s; see the logs under {self.home(i)}")

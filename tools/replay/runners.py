@@ -111,10 +111,8 @@ def _run_sim(ctx: RunCtx, cfg: Config, root: Path, ui, update):
     try:
         if cfg.uses_store and spec.hosts > 1:
             from kvtier.tools.hosts.cluster import HostCluster
-            # the engines' hosts, and one more for the master
-            hosts = HostCluster(spec.hosts + 1, root / "hosts")
-            hosts.hosts.on_signals()
-            address = hosts.start_master(spec.hosts)
+            hosts = HostCluster.for_engines(spec.hosts, root / "hosts")
+            address = hosts.master_address
             ui.say(f"[{cfg.label}] starting {n} simulated instances on {spec.hosts} hosts")
             workers = _start_workers(root, cfg, ctx.sizing, n, address, spec,
                                      [hosts.hosts.names[k % spec.hosts] for k in range(n)])

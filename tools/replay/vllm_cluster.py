@@ -72,9 +72,8 @@ class VllmCluster:
                 raise ReplayError("--hosts with --pool service: a pool service serves the "
                                   "engines of its own host only; use --pool embedded")
             from kvtier.tools.hosts.cluster import HostCluster
-            self.hosts = HostCluster(hosts + 1, root / "hosts")
-            self.hosts.hosts.on_signals()
-            address = self.hosts.start_master(hosts)
+            self.hosts = HostCluster.for_engines(hosts, root / "hosts")
+            address = self.hosts.master_address
             self.policies = [node_policy(root, f"n{k}", address, cfg, sizing, chunk_tokens,
                                          eviction, admission, count_hosts=True)
                              for k in range(n)]
