@@ -9,6 +9,11 @@ caller and fails loudly. Config comes from `kv_connector_extra_config` (see
 kvtier is a best-effort cache: a block that cannot be loaded is recomputed, never an error
 for the request, so the scheduler side switches vLLM's `kv_load_failure_policy` to
 `recompute` (for a `MultiConnector`, set it at the top level of `--kv-transfer-config`).
+
+It implements `SupportsHMA`, so vLLM keeps its hybrid memory allocator on: models with
+sliding-window layers beside full attention run with one KV cache group per kind, and a
+sliding-window group's blocks outside the window are freed as vLLM frees them without a
+connector (see `kvtier.connector.scheduler` for what is stored per group).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -41,7 +47,7 @@ def _log_through_vllm() -> None:
         ours.propagate = not ours.handlers
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _log_through_vllm()
@@ -101,6 +107,9 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        return self.worker.get_transfer_results(finished_req_ids)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 
@@ -127,6 +136,10 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -1,7 +1,8 @@
 """What the scheduler side tells the worker side each step (pickled across processes).
 
-A job moves whole chunks: `keys[i]` (rank-0 namespace) is chunk i, `block_ids[i]` its
-`chunk_tokens / block_size` vLLM block ids in token order.
+A job moves whole chunks of one KV cache group (`group`, vLLM's index): `keys[i]` (rank-0
+namespace of that group) is chunk i, `block_ids[i]` its `chunk_tokens / block_size` vLLM
+block ids of that group in token order.
 
 - `LoadJob`: read the chunks and scatter them into the blocks; the first `skip_first`
   blocks of chunk 0 already hold a local prefix hit and are not written. `tiers[i]` is
@@ -39,6 +40,7 @@ class LoadJob:
     tiers: list[str] = field(default_factory=list)
     sync: bool = False
     deadline_s: float | None = None  # from when the worker takes it; None: no deadline
+    group: int = 0
 
 
 @dataclass
@@ -47,6 +49,7 @@ class SaveJob:
     keys: list[str]
     block_ids: list[list[int]]
     hint: SessionHint | None = None
+    group: int = 0
 
 
 @dataclass

@@ -15,6 +15,12 @@ namespace: a block stored by one kind can never be read as another (its key diff
 is a miss). MLA's latent cache (`mla`) is one latent vector per token, the same on every
 TP rank: its namespace leaves the TP rank and size out, so the blocks are stored once (by
 TP rank 0) and every rank reads them.
+
+With vLLM's hybrid memory allocator an engine keeps several KV cache groups (full attention
+beside sliding-window attention: Gemma 3, gpt-oss), each with its own block ids. Each group
+is stored under its own namespace (its kind, geometry, window and place among the groups):
+a chunk has one key per group, all over the same chained token hash, so the keys of every
+group follow from the first group's by swapping the namespace fingerprint (`rank_keys`).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KVShape:
-    """The per-block KV geometry of the model's one attention cache group."""
+    """The per-block KV geometry of one of the model's attention KV cache groups."""
 
     num_layers: int
     heads: int
@@ -43,6 +49,15 @@ class KVShape:
     content_bytes: int  # bytes per (head, token): K then V (MLA: the latent and rope part)
     dtype: str
     kind: str = "full"  # a key of PAYLOAD_FORMATS
+    window: int = 0     # `swa`: tokens below the next one that its attention still reads
+    group: int = 0      # its index among the engine's KV cache groups
+    groups: int = 1     # how many groups the engine keeps
+    layer_names: tuple[str, ...] = ()
+
+    @property
+    def windowed(self) -> bool:
+        """Whether only the last `window` tokens before a hit's end need this group's KV."""
+        return self.kind == "swa"
 
     @property
     def block_bytes(self) -> int:
@@ -65,28 +80,67 @@ def architecture(vllm_config: Any) -> str:
     return archs[0] if archs else "this model"
 
 
-def kv_shape(kv_cache_config: Any, architecture: str = "this model") -> KVShape:
-    """Read the geometry from vLLM's `KVCacheConfig`; one attention group is supported."""
-    from vllm.v1.kv_cache_interface import (AttentionSpec, MLAAttentionSpec,
-                                            compute_layer_kv_cache_shape_bytes)
+def kv_groups(kv_cache_config: Any, architecture: str = "this model") -> list[KVShape]:
+    """The geometry of each of vLLM's KV cache groups (`KVCacheConfig`), in vLLM's order.
+
+    One group (the hybrid allocator off, or a model with one kind of attention layer) is
+    stored as `full` or `mla`, every layer for every token, as before groups existed.
+    Several groups must each be full, MLA or sliding-window attention; any other kind
+    (state-space or linear-attention state, cross-attention, chunked local attention)
+    raises ConfigError naming the architecture and the kinds."""
+    from vllm.v1.kv_cache_interface import (AttentionSpec, FullAttentionSpec,
+                                            MLAAttentionSpec, SlidingWindowSpec)
 
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+    specs = [g.kv_cache_spec for g in groups]
+    several = len(groups) > 1
+    if several:
+        ok = all(type(s) in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
+                 for s in specs)
+    else:
+        ok = len(specs) == 1 and isinstance(specs[0], AttentionSpec)
+    if not ok:
+        kinds = ", ".join(type(s).__name__ for s in specs)
         raise ConfigError(f"kvtier cannot serve {architecture}: its KV cache groups are "
-                          f"[{kinds}], kvtier stores one attention or MLA group; serve "
-                          "it without the kvtier connector")
-    spec = groups[0].kv_cache_spec
-    names = set(groups[0].layer_names)
-    layers = sum(len(t.layers) for t in kv_cache_config.kv_cache_tensors
-                 if names.intersection(t.layers))
+                          f"[{kinds}], kvtier stores full-attention, MLA and sliding-window "
+                          "groups; serve it without the kvtier connector")
+    if several and all(isinstance(s, SlidingWindowSpec) for s in specs):
+        raise ConfigError(f"kvtier cannot serve {architecture}: all its KV cache groups are "
+                          "sliding-window, kvtier needs a full-attention group beside them; "
+                          "serve it with --disable-hybrid-kv-cache-manager")
+    return [_group_shape(kv_cache_config, i, len(groups)) for i in range(len(groups))]
+
+
+def _group_shape(kv_cache_config: Any, i: int, n: int) -> KVShape:
+    from vllm.v1.kv_cache_interface import (MLAAttentionSpec, SlidingWindowSpec,
+                                            compute_layer_kv_cache_shape_bytes)
+
+    group = kv_cache_config.kv_cache_groups[i]
+    spec = group.kv_cache_spec
+    names = set(group.layer_names)
+    layers = sum(len(names.intersection(t.layers)) for t in kv_cache_config.kv_cache_tensors)
     _, heads, tokens, content = compute_layer_kv_cache_shape_bytes(spec, 1)
     dtype = str(spec.dtype).removeprefix("torch.")
     quant = getattr(spec, "kv_quant_mode", None)
     if quant is not None and getattr(quant, "name", "NONE") != "NONE":
         dtype += f"/{quant.name.lower()}"
-    kind = "mla" if isinstance(spec, MLAAttentionSpec) else "full"
-    return KVShape(layers, heads, tokens, content, dtype, kind)
+    kind, window = ("mla" if isinstance(spec, MLAAttentionSpec) else "full"), 0
+    if n > 1 and isinstance(spec, SlidingWindowSpec):
+        # vLLM keeps the blocks of the last `sliding_window - 1` tokens, and some more
+        kind = "swa"
+        window = spec.sliding_window - 1 + getattr(spec, "extra_retained_tokens", 0)
+    return KVShape(layers, heads, tokens, content, dtype, kind, window, i, n,
+                   tuple(group.layer_names))
+
+
+def kv_shape(kv_cache_config: Any, architecture: str = "this model") -> KVShape:
+    """The geometry of the first group that holds every token (`kv_groups`): the one whose
+    chunks make a hit's prefix."""
+    return primary(kv_groups(kv_cache_config, architecture))
+
+
+def primary(shapes: list[KVShape]) -> KVShape:
+    return next(s for s in shapes if not s.windowed)
 
 
 def make_namespace(vllm_config: Any, shape: KVShape, policy: Policy,
@@ -100,6 +154,9 @@ def make_namespace(vllm_config: Any, shape: KVShape, policy: Policy,
     par = vllm_config.parallel_config
     layout = (f"{PAYLOAD_FORMATS[shape.kind]}:L{shape.num_layers}:H{shape.heads}"
               f":N{shape.block_size}:C{shape.content_bytes}")
+    if shape.groups > 1:  # one engine's groups of one geometry are still others' blocks
+        layout += f":G{shape.group}/{shape.groups}" + (f":W{shape.window}" if shape.window
+                                                       else "")
     tp_rank, tp_size = (0, 1) if shape.tp_replicated else (tp_rank, par.tensor_parallel_size)
     return Namespace(model=policy.namespace.model or str(vllm_config.model_config.model),
                      dtype=shape.dtype, layout=layout, block_size=shape.block_size,

@@ -32,6 +32,18 @@ movers evict and prefetch by them, as `StoreEvent`s in the next step's metadata
 
 A preempted request is looked up again when it resumes, so what it saved comes back from
 kvtier instead of being recomputed.
+
+Several KV cache groups (vLLM's hybrid memory allocator, `SupportsHMA`): the first group
+that holds every token (full attention or MLA) is the *primary* one, and everything above
+is about its chunks. Each other group stores and loads the same chunks under its own keys
+(`naming`), each from its own block ids. A sliding-window group needs only the chunks the
+window of a hit's last token reaches: a hit of `h` chunks is promised only when that group
+holds the chunks over the `window` tokens before `h * chunk_tokens` (else only vLLM's local
+hit is used), it loads only those, and it saves only the chunks of a request that such a
+window can reach at the end of its prompt or later (where the next turn's hit ends), from
+blocks vLLM still holds. Loads are then asynchronous only (vLLM takes load failures of such
+engines per request, not per block): a load that falls short in any group recomputes the
+request.
 """
 
 from __future__ import annotations
@@ -46,8 +58,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.connector import storeref
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob, StoreEvent
-from kvtier.connector.naming import (architecture, kv_shape, make_namespace, request_salt,
-                                     session_hint, token_keys)
+from kvtier.connector.naming import (architecture, kv_groups, make_namespace, primary,
+                                     rank_keys, request_salt, session_hint, token_keys)
 from kvtier.connector.recompute import RecomputeModel, plan_load
 from kvtier.connector.stats import KVTierStats
 from kvtier.connector.tool_calls import detect_tool_call_ids, gap_class
@@ -60,6 +72,10 @@ log = logging.getLogger(__name__)
 # A request vLLM keeps asking about renews its pins in the workers' stores this often (they
 # last `PIN_S` there).
 PIN_RENEW_S = PIN_S / 3
+
+# The id vLLM's block pool gives its null block: the place-holder of a sliding-window group's
+# blocks that no attention reads any more (vLLM allocates it first, so it is always 0).
+NULL_BLOCK = 0
 
 # Where each tier kind sits in vLLM's cache-hit-source taxonomy.
 _HIT_SOURCE = {"mooncake": CacheHitSource.HOST, "nvme": CacheHitSource.DISK,
@@ -84,7 +100,8 @@ class _Req:
     salt: bytes
     hint: SessionHint | None
     keys: list[str] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)   # of the primary group
+    group_ids: dict[int, list[int]] = field(default_factory=dict)  # of each other group
     saved_upto: int = 0          # chunks [0, saved_upto) are in kvtier or handed to a save
     loaded_upto: int | None = None
     plan: _Plan | None = None
@@ -104,8 +121,12 @@ class _Req:
 
 class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig):
-        self.shape = kv_shape(kv_cache_config, architecture(vllm_config))
+        groups = kv_groups(kv_cache_config, architecture(vllm_config))
+        self.shape = primary(groups)
         self.ns = make_namespace(vllm_config, self.shape, cfg.policy)
+        # the other groups: (shape, its namespace fingerprint at rank 0)
+        self.others = [(g, make_namespace(vllm_config, g, cfg.policy).fingerprint())
+                       for g in groups if g is not self.shape]
         self.chunk = cfg.policy.chunk_tokens
         self.m = self.chunk // self.shape.block_size
         self.tier_kinds = {t.name: t.kind for t in cfg.policy.tiers}
@@ -177,6 +198,7 @@ class SchedulerSide:
         self.stats.add("lookups")
         self.stats.add("lookup_tokens", max(0, limit * self.chunk - num_computed))
         hits, deadline = self._plan(st, found, first)
+        hits = self._others_hold(keys, first, hits)
         external = hits * self.chunk - num_computed
         if hits <= first or external <= 0:
             st.plan = None
@@ -202,7 +224,32 @@ class SchedulerSide:
                       found.hit_blocks - first, plan.expected_s * 1e3, plan.recompute_s * 1e3)
         return first + plan.chunks, plan.deadline_s
 
+    def _span(self, shape: Any, first: int, hits: int) -> int:
+        """The first chunk of [first, hits) that group `shape` loads: all of them, or for a
+        sliding-window group those its window reaches from the hit's end."""
+        if not shape.windowed:
+            return first
+        return max(first, max(0, hits * self.chunk - shape.window) // self.chunk)
+
+    def _others_hold(self, keys: list[str], first: int, hits: int) -> int:
+        """`hits`, cut to what the other groups hold: every chunk of a full group's part of
+        the hit, a sliding-window group's window before the hit's end (or no hit at all)."""
+        for shape, fp in self.others:
+            if hits <= first:
+                break
+            lo = self._span(shape, first, hits)
+            try:
+                have = self.store.lookup(rank_keys(keys[lo:hits], fp), observe=False).hit_blocks
+            except KVTierError as e:
+                log.warning("kvtier: lookup of KV cache group %d failed: %s", shape.group, e)
+                return first
+            if lo + have < hits:
+                hits = first if shape.windowed else lo + have
+        return hits
+
     def _load_sync(self, st: _Req) -> bool:
+        if self.others:  # vLLM takes such engines' load failures per request: async only
+            return False
         if self.load_mode != "auto":
             return self.load_mode == "sync"
         return self._running == 0
@@ -212,14 +259,19 @@ class SchedulerSide:
         if st is None or num_external == 0 or st.plan is None:
             return
         plan, st.plan = st.plan, None
-        ids = blocks.get_block_ids()[0]
+        all_ids = blocks.get_block_ids()
+        ids = all_ids[self.shape.group]
         n = min(plan.hits, -(-(plan.num_computed + num_external) // self.chunk) - plan.first)
         m = self.m
         rows = [ids[c * m:(c + 1) * m] for c in range(plan.first, plan.first + n)]
         skip = plan.num_computed // self.shape.block_size - plan.first * self.m
         self._loads.append(LoadJob(request.request_id, st.keys[plan.first:plan.first + n],
                                    rows, skip, list(plan.tiers[:n]), plan.sync,
-                                   plan.deadline_s))
+                                   plan.deadline_s, self.shape.group))
+        for shape, fp in self.others:
+            job = self._group_load(st, shape, fp, all_ids[shape.group], plan, n)
+            if job is not None:
+                self._loads.append(job)
         st.loads["sync" if plan.sync else "async"] += 1
         st.loaded_upto = st.saved_upto = plan.first + n
         if plan.deadline_s is not None:
@@ -227,6 +279,24 @@ class SchedulerSide:
         promise = self._promise(plan, n, num_external)
         st.promises.append(promise)
         st.sources = self._sources(promise)
+
+    def _group_load(self, st: _Req, shape: Any, fp: str, ids: list[int], plan: _Plan,
+                    n: int) -> LoadJob | None:
+        """The load of another group's part of the hit: its span of chunks (`_span`), less
+        the leading blocks vLLM holds (a local hit) or will never read (null blocks)."""
+        end = plan.first + n
+        lo = self._span(shape, plan.first, end)
+        m = self.m
+        rows = [ids[c * m:(c + 1) * m] for c in range(lo, end)]
+        while rows and all(b == NULL_BLOCK for b in rows[0]):
+            rows.pop(0)
+            lo += 1
+        if not rows:
+            return None
+        local = plan.num_computed // self.shape.block_size - lo * m if lo == plan.first else 0
+        nulls = next((j for j, b in enumerate(rows[0]) if b != NULL_BLOCK), m)
+        return LoadJob(st.request.request_id, rank_keys(st.keys[lo:end], fp), rows,
+                       max(local, nulls), [], plan.sync, plan.deadline_s, shape.group)
 
     def _promise(self, plan: _Plan, n: int, num_external: int) -> list[tuple[str, int]]:
         """(tier, tokens) of each chunk of the load: the first starts inside the local hit."""
@@ -289,7 +359,7 @@ class SchedulerSide:
             st = self.reqs.get(new.req_id)
             if st is None:
                 continue
-            st.block_ids = list(new.block_ids[0])
+            self._set_ids(st, new.block_ids)
             self._running += not st.scheduled
             st.scheduled = True
             log.debug("kvtier: %s scheduled with %d computed tokens", new.req_id,
@@ -306,10 +376,12 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             computed = cached.num_computed_tokens[i]
             if req_id in cached.resumed_req_ids:
-                st.block_ids = list(new_ids[0]) if new_ids else []
+                self._set_ids(st, new_ids)
             else:
                 if new_ids:
-                    st.block_ids.extend(new_ids[0])
+                    st.block_ids.extend(new_ids[self.shape.group])
+                    for shape, _ in self.others:
+                        st.group_ids.setdefault(shape.group, []).extend(new_ids[shape.group])
                 if st.loaded_upto is not None and computed < st.saved_upto * self.chunk:
                     # A synchronous load failed: vLLM truncated the request at its first bad
                     # block and recomputes from there; save what it recomputes.
@@ -318,6 +390,11 @@ class SchedulerSide:
         meta = KVTierMetadata(self._loads, self._saves, self._hold, self._events, work)
         self._loads, self._saves, self._hold, self._events = [], [], [], []
         return meta
+
+    def _set_ids(self, st: _Req, ids: Any) -> None:
+        """The request's block ids, per group (`ids`: vLLM's tuple of lists, or None)."""
+        st.block_ids = list(ids[self.shape.group]) if ids else []
+        st.group_ids = {s.group: list(ids[s.group]) if ids else [] for s, _ in self.others}
 
     @staticmethod
     def _step_work(out: Any) -> tuple[float, float]:
@@ -344,23 +421,45 @@ class SchedulerSide:
         st.forwarded = (len(keys), hits, held, now)
         self._events.append(StoreEvent("lookup", keys, hits, held, st.hint))
 
-    def _plan_save(self, st: _Req, computed: int, block_ids: list[int] | None = None) -> bool:
-        """Save the chunks whose KV is complete at `computed` tokens and whose ids are known;
-        True if a job was added."""
+    def _plan_save(self, st: _Req, computed: int, block_ids: Any = None) -> bool:
+        """Save the chunks whose KV is complete at `computed` tokens and whose ids are known
+        (`block_ids`: vLLM's per-group lists, else the ones tracked); True if a job was
+        added."""
         done = min(computed, st.request.num_tokens) // self.chunk
-        ids = st.block_ids if block_ids is None else block_ids
+        ids = st.block_ids if block_ids is None else list(block_ids[self.shape.group])
         done = min(done, len(ids) // self.m)
         if done <= st.saved_upto:
             return False
         keys = self._keys(st, done)
         rows = [ids[c * self.m:(c + 1) * self.m] for c in range(st.saved_upto, done)]
         self._saves.append(SaveJob(st.request.request_id, keys[st.saved_upto:done], rows,
-                                   st.hint))
+                                   st.hint, self.shape.group))
+        for shape, fp in self.others:
+            group_ids = st.group_ids.get(shape.group, []) if block_ids is None \
+                else list(block_ids[shape.group])
+            self._group_save(st, shape, fp, group_ids, st.saved_upto, done)
         st.saved_chunks += done - st.saved_upto
         st.saved_upto = done
         return True
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def _group_save(self, st: _Req, shape: Any, fp: str, ids: list[int], start: int,
+                    done: int) -> None:
+        """Save another group's part of chunks [start, done): of a sliding-window group only
+        the chunks a window can reach from the end of the prompt on, and only while vLLM
+        still holds their blocks."""
+        m, keys = self.m, st.keys
+        reach = st.request.num_prompt_tokens - self.chunk - shape.window
+        chunks = [c for c in range(start, min(done, len(ids) // m))
+                  if (not shape.windowed or (c + 1) * self.chunk > reach)
+                  and NULL_BLOCK not in ids[c * m:(c + 1) * m]]
+        if chunks:
+            self._saves.append(SaveJob(st.request.request_id,
+                                       rank_keys([keys[c] for c in chunks], fp),
+                                       [ids[c * m:(c + 1) * m] for c in chunks], st.hint,
+                                       shape.group))
+
+    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, dict | None]:
         """(keep the blocks?, `{"kvtier": {"hit_tokens": {tier: n}, "recomputed_tokens": n,
         "load_deadlines_ms": [ms], "saved_chunks": n, "loads": {"async": n, "sync": n}}}`):
         `hit_tokens` counts the tokens loaded from each tier, `recomputed_tokens` those
@@ -385,8 +484,7 @@ class SchedulerSide:
             # never scheduled was aborted while loading: nothing of it counts.)
             self._settle(st, len(st.promises[0]))
         # never scheduled (aborted while loading): its blocks hold nothing to save
-        hold = st.scheduled and self._plan_save(st, request.num_computed_tokens,
-                                                list(block_ids))
+        hold = st.scheduled and self._plan_save(st, request.num_computed_tokens, block_ids)
         hint = replace(st.hint or SessionHint(), gap_class=gap_class(request, self.tool_call_ids))
         if st.looked_up and self.forward:
             self._events.append(StoreEvent("finish", st.looked_up, hint=hint))

@@ -9,6 +9,12 @@ device-to-host copy are queued on the compute stream, which orders them before l
 writes), then hands sealing and writing to the I/O thread; `get_finished` reports finished
 loads, and held requests once no gather still reads their blocks; failed load blocks go out
 through `get_block_ids_with_load_errors` in the same step as their request.
+
+Several KV cache groups (vLLM's hybrid allocator): each group has its own paged view of its
+layers (groups may share the memory of one KV tensor: their block ids never overlap), its
+own staging and I/O thread and its own namespace; a job names its group. A request's load
+is done when every group's job for it is, and counts as loaded only if all of them loaded
+everything (vLLM then takes failures per request: `failed_recving`, never block ids).
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from kvtier.connector.io_thread import IOThread, LoadBatch, SaveBatch, stage_sav
 from kvtier.connector.layout import PagedKV
 from kvtier.connector.metadata import (KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob,
                                        StoreEvent)
-from kvtier.connector.naming import (architecture, check_layout, kv_shape, make_namespace,
-                                     rank_keys, saves_on_rank)
+from kvtier.connector.naming import (KVShape, architecture, check_layout, kv_groups,
+                                     make_namespace, primary, rank_keys, saves_on_rank)
 from kvtier.connector.staging import FrameBuffer, StagingPool
 from kvtier.connector.stats import KVTierStats
 from kvtier.store.base import block
@@ -47,20 +53,42 @@ def _ranks() -> tuple[int, int]:
     return ps.get_tp_group().rank_in_group, ps.get_pp_group().rank_in_group
 
 
+class _Group:
+    """One KV cache group as this worker moves it: its layers' paged view, staging, I/O
+    thread and namespace."""
+
+    def __init__(self, shape: KVShape, vllm_config: Any, cfg: ConnectorConfig, tp_rank: int,
+                 pp_rank: int):
+        self.shape = shape
+        self.saves = saves_on_rank(shape, tp_rank)  # replicated KV: rank 0 writes it
+        self.fingerprint = make_namespace(vllm_config, shape, cfg.policy, tp_rank,
+                                          pp_rank).fingerprint()
+        self.paged: PagedKV | None = None
+        self.io: IOThread | None = None
+        self.save_pool: StagingPool | None = None
+        self.payload_len = 0
+
+
 class WorkerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig):
         self.cfg = cfg
-        self.shape = kv_shape(kv_cache_config, architecture(vllm_config))
+        shapes = kv_groups(kv_cache_config, architecture(vllm_config))
+        self.shape = primary(shapes)
         tp_rank, pp_rank = _ranks()
-        self.saves = saves_on_rank(self.shape, tp_rank)  # replicated KV: rank 0 writes it
         self.rank = pp_rank * vllm_config.parallel_config.tensor_parallel_size + tp_rank
-        self.ns = make_namespace(vllm_config, self.shape, cfg.policy, tp_rank, pp_rank)
-        self.fingerprint = self.ns.fingerprint()
+        self.groups = {g.group: _Group(g, vllm_config, cfg, tp_rank, pp_rank) for g in shapes}
+        self.main = self.groups[self.shape.group]
+        self.saves = self.main.saves
+        self.fingerprint = self.main.fingerprint
         self.m = cfg.policy.chunk_tokens // self.shape.block_size
         self.num_blocks = kv_cache_config.num_blocks
         self.store = storeref.acquire(cfg.policy, cfg.node_id, mover=True)
         self.paged: PagedKV | None = None
         self.io: IOThread | None = None
+        # several groups: request -> {group: [chunks asked, chunks loaded or None while
+        # out]} of its load jobs, until the last one ends
+        self._group_loads: dict[str, dict[int, list]] = {}
+        self._failed_reqs: set[str] = set()
         self.stats = KVTierStats()
         self.stats_lock = threading.Lock()
         self._held: set[str] = set()          # finished requests whose blocks we keep
@@ -73,21 +101,27 @@ class WorkerSide:
         self._idle_step = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.paged = PagedKV(kv_caches, self.num_blocks, self.shape.block_size)
-        check_layout(self.paged.info, self.shape)
-        self.payload_len = self.m * self.paged.info.block_bytes
-        stride = block.frame_size(self.payload_len, block.PAGE)
-        per_buffer = max(1, self.cfg.staging_buffer_bytes // stride)
-        device = self.paged.device
         alloc = self._shared_alloc()
-        self.save_pool = StagingPool(per_buffer, stride, device, self.cfg.staging_buffers,
-                                     self._register, alloc)
-        load_pool = StagingPool(per_buffer, stride, device, 1, self._register, alloc)  # I/O
-        self.io = IOThread(self.store, self.paged, load_pool, self.save_pool, self.m,
-                           self.payload_len, self.stats, self.stats_lock)
-        log.info("kvtier: %s KV layout%s, %d layers, %d-byte chunks, namespace %s",
-                 self.paged.info.kind, " (fused)" if self.paged.info.fused else "",
-                 self.paged.info.num_layers, self.payload_len, self.fingerprint)
+        for g in self.groups.values():
+            layers = kv_caches if len(self.groups) == 1 else \
+                {n: kv_caches[n] for n in g.shape.layer_names if n in kv_caches}
+            g.paged = PagedKV(layers, self.num_blocks, g.shape.block_size)
+            check_layout(g.paged.info, g.shape)
+            g.payload_len = self.m * g.paged.info.block_bytes
+            stride = block.frame_size(g.payload_len, block.PAGE)
+            per_buffer = max(1, self.cfg.staging_buffer_bytes // stride)
+            device = g.paged.device
+            g.save_pool = StagingPool(per_buffer, stride, device, self.cfg.staging_buffers,
+                                      self._register, alloc)
+            load_pool = StagingPool(per_buffer, stride, device, 1, self._register, alloc)
+            g.io = IOThread(self.store, g.paged, load_pool, g.save_pool, self.m,
+                            g.payload_len, self.stats, self.stats_lock)
+            log.info("kvtier: %sKV layout %s%s, %d layers, %d-byte chunks, namespace %s",
+                     f"{g.shape.kind} group {g.shape.group}: " if len(self.groups) > 1 else "",
+                     g.paged.info.kind, " (fused)" if g.paged.info.fused else "",
+                     g.paged.info.num_layers, g.payload_len, g.fingerprint)
+        self.paged, self.io = self.main.paged, self.main.io
+        self.payload_len, self.save_pool = self.main.payload_len, self.main.save_pool
 
     def _shared_alloc(self):
         """The first tier's allocator of memory it moves frames through without a copy (a
@@ -145,10 +179,14 @@ class WorkerSide:
             self._require_registered()
             # the I/O thread starts on the asynchronous ones while the others run here
             for job in sorted(meta.loads, key=lambda j: j.sync):
+                io = self.groups[job.group].io
+                if len(self.groups) > 1:
+                    self._group_loads.setdefault(job.req_id, {})[job.group] = [len(job.keys),
+                                                                                None]
                 if job.sync:
-                    self.io.load_now(self._load_batches(job))
+                    io.load_now(self._load_batches(job))
                 else:
-                    self.io.submit_load(self._load_batches(job))
+                    io.submit_load(self._load_batches(job))
                     log.debug("kvtier: load %s queued: %d chunks", job.req_id, len(job.keys))
 
     def _observe(self, events: list[StoreEvent]) -> None:
@@ -165,8 +203,9 @@ class WorkerSide:
             log.warning("kvtier: session bookkeeping failed: %s", e)
 
     def _load_batches(self, job: LoadJob) -> list[LoadBatch]:
-        keys = rank_keys(job.keys, self.fingerprint)
-        step = self.io.load_pool.capacity
+        group = self.groups[job.group]
+        keys = rank_keys(job.keys, group.fingerprint)
+        step = group.io.load_pool.capacity
         starts = list(range(0, len(keys), step))
         # The request waits from now: past its deadline, what has not arrived is recomputed.
         deadline = None if job.deadline_s is None else time.monotonic() + job.deadline_s
@@ -180,20 +219,23 @@ class WorkerSide:
         if self._forward is not None:  # the forward is done (on CUDA: queued) by now
             self._timed.append((*self._forward, self._now()))
             self._forward = None
-        if meta.saves and self.saves:
+        if meta.saves:
             self._require_registered()
             for job in meta.saves:
-                self._gather(job)
+                if self.groups[job.group].saves:
+                    self._gather(job)
 
     def _gather(self, job: SaveJob) -> None:
-        keys = rank_keys(job.keys, self.fingerprint)
-        step = self.save_pool.capacity
+        group = self.groups[job.group]
+        keys = rank_keys(job.keys, group.fingerprint)
+        step = group.save_pool.capacity
         for s in range(0, len(keys), step):
-            buf = self.save_pool.acquire()  # waits while all are in flight: backpressure
-            ready = stage_save(self.paged, buf, job.block_ids[s:s + step], self.m)
+            buf = group.save_pool.acquire()  # waits while all are in flight: backpressure
+            ready = stage_save(group.paged, buf, job.block_ids[s:s + step], self.m)
             if ready is not None and job.req_id in self._held:  # its blocks wait for this
                 self._gathers.setdefault(job.req_id, []).append(ready)
-            self.io.submit_save(SaveBatch(job.req_id, keys[s:s + step], buf, job.hint, ready))
+            group.io.submit_save(SaveBatch(job.req_id, keys[s:s + step], buf, job.hint,
+                                           ready))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finished_seen |= finished_req_ids
@@ -210,13 +252,51 @@ class WorkerSide:
         if self.io is not None:
             if self._idle_step:  # nothing else to do this step: wait for a load, briefly
                 self.io.wait_for_load(IDLE_WAIT_S)
-            done, failed, settled = self.io.take_results()
+            if len(self.groups) == 1:
+                done, failed, settled = self.io.take_results()
+                self._errors |= failed
+                self._settled.extend(settled)
+            else:
+                done, settled = self._group_results()
+                failed = self._failed_reqs
             recving.update(done)
-            self._errors |= failed
-            self._settled.extend(settled)
             if done:
-                log.debug("kvtier: loads done %s, %d failed blocks", sorted(done), len(failed))
+                log.debug("kvtier: loads done %s, %d failed", sorted(done), len(failed))
         return sending or None, recving or None
+
+    def _group_results(self) -> tuple[list[str], list[tuple[str, int]]]:
+        """Several groups: (requests whose every group's load ended, (request, chunks
+        loaded) of each: the primary group's count if every group loaded all it was asked
+        for, else 0 and the request goes to `failed_recving`)."""
+        for gid, group in self.groups.items():
+            _, _, settled = group.io.take_results()
+            for req, n in settled:
+                job = self._group_loads.get(req, {}).get(gid)
+                if job is not None:
+                    job[1] = n
+        done, out = [], []
+        for req, jobs in list(self._group_loads.items()):
+            if any(n is None for _, n in jobs.values()):
+                continue
+            del self._group_loads[req]
+            whole = all(n >= asked for asked, n in jobs.values())
+            main = jobs.get(self.shape.group, [0, 0])[1]
+            out.append((req, main if whole else 0))
+            if not whole:
+                self._failed_reqs.add(req)
+            done.append(req)
+        self._settled.extend(out)
+        return done, out
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's `KVConnectorTransferResults`: `get_finished`, and the requests whose load
+        fell short (several groups: recomputed whole, as vLLM takes such failures)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import \
+            KVConnectorTransferResults
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_reqs = self._failed_reqs, set()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()) | failed,
+                                          failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -255,9 +335,13 @@ class WorkerSide:
             # Said before the work: vLLM kills a worker whose stop takes longer than it
             # allows (README, Operations), and the log should show what was at stake.
             log.info("kvtier: worker stopping: writing %d queued save batches, then the "
-                     "mover's %d queued blocks", self.io.pending_saves(),
+                     "mover's %d queued blocks",
+                     sum(g.io.pending_saves() for g in self.groups.values() if g.io),
                      self.store.mover_pending() if self.store is not None else 0)
-            self.io.stop()
+            for g in self.groups.values():
+                if g.io is not None:
+                    g.io.stop()
+                    g.io = None
             self.io = None
         if self.store is not None:
             pending = self.store.mover_pending()

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvtier.connector.harness.tiny_models import (  # noqa: F401 (re-exported)
-    BLOCK_SIZE, ENGINE_ARGS, MODEL_KINDS, TINY_MLA, TINY_MODEL, make_tiny_model)
+    BLOCK_SIZE, ENGINE_ARGS, MODEL_KINDS, TINY_MLA, TINY_MODEL, TINY_SWA, make_tiny_model)
 from kvtier.store.base.config import kvtier_home
 
 
@@ -76,6 +76,12 @@ def prompt_keys(prompt: list[int], policy: dict, dtype: str = "bfloat16",
         m = TINY_MLA
         shape = KVShape(m["num_hidden_layers"], 1, block_size,
                         (m["kv_lora_rank"] + m["qk_rope_head_dim"]) * elem, dtype, "mla")
+    elif kind == "swa":  # vLLM's hybrid allocator: [sliding-window, full]; the full one
+        m = TINY_SWA      # is the group a hit's prefix is keyed by
+        layers = m["layer_types"]
+        shape = KVShape(layers.count("full_attention"), m["num_key_value_heads"], block_size,
+                        2 * m["head_dim"] * elem, dtype, "full",
+                        group=layers.index("full_attention"), groups=len(set(layers)))
     else:
         head = TINY_MODEL["hidden_size"] // TINY_MODEL["num_attention_heads"]
         shape = KVShape(TINY_MODEL["num_hidden_layers"], TINY_MODEL["num_key_value_heads"],

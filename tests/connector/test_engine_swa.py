@@ -1,21 +1,27 @@
 """A sliding-window model (a tiny Gemma 3 shape: one sliding-window layer beside one
 full-attention layer) on real vLLM CPU engines with kvtier.
 
-kvtier does not implement vLLM's hybrid memory allocator (`SupportsHMA`), so vLLM turns it
-off and keeps one KV cache group: the sliding-window layer's KV is kept (and stored by
-kvtier) for every token, like a full-attention layer's. Hits are then exact; what a
-window-aware store would save is measured in BENCHMARKS.md. Two engine processes on one
-kvtier cluster; slow (two engine starts), run with `--runslow`.
+kvtier implements vLLM's hybrid memory allocator (`SupportsHMA`), so vLLM keeps it on: two
+KV cache groups with their own block ids, the sliding-window layer's blocks below its window
+freed as vLLM frees them without a connector. kvtier stores every chunk of the full group
+and of the sliding-window group only the chunks a window reaches from the prompt's end on.
+Two engine processes on one kvtier cluster; slow (three engine starts), run with
+`--runslow`.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    cluster, BLOCK_SIZE, CHUNK, tiny_engines, random_prompt)
+    cluster, BLOCK_SIZE, CHUNK, chunk_keys, tiny_engines, random_prompt)
+from kvtier.connector.naming import rank_keys  # noqa: E402
+from kvtier.store.base.config import policy_from_dict  # noqa: E402
+from kvtier.store.tiered import TieredStore  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TOKENS = 16
@@ -35,6 +41,19 @@ def node(engines, cluster, name):
     return engines.get(name, tc, block_size=BLOCK_SIZE["swa"])
 
 
+def group_namespaces(log: str) -> dict[str, str]:
+    """{kind: namespace fingerprint} of each KV cache group, from the worker's start line."""
+    return dict(re.findall(r"kvtier: (\w+) group \d+: KV layout .* namespace (\w+)", log))
+
+
+def stored(cluster, keys: list[str]) -> int:
+    """How many of `keys` the cluster holds, in any tier."""
+    pol = cluster.policy("probe")
+    with TieredStore(policy_from_dict(pol), node_id="probe", mover=False, lend=False,
+                     start_master=False) as store:
+        return sum(store.lookup([k], observe=False).hit_blocks for k in keys)
+
+
 def test_a_sliding_window_model_hits_from_the_pool_on_another_instance(engines, cluster):
     prompt = random_prompt(1, LONG)
     a = node(engines, cluster, "a")
@@ -45,6 +64,18 @@ def test_a_sliding_window_model_hits_from_the_pool_on_another_instance(engines, 
     hits = hit[0].kv_transfer_params["kvtier"]["hit_tokens"]
     assert hits == {"dram": hit[0].num_cached_tokens}
     assert hit[0].num_cached_tokens >= 0.9 * LONG and hits["dram"] % CHUNK == 0
-    assert hit[0].token_ids == cold[0].token_ids
+    assert hit[0].token_ids == cold[0].token_ids == engines.baseline(prompt, TOKENS).token_ids
     log = b.log_path.read_text(errors="replace")
-    assert "Hybrid KV cache manager is disabled" in log  # one group: all layers, all tokens
+    assert "Turning off hybrid kv cache manager" not in log
+    spaces = group_namespaces(log)
+    assert set(spaces) == {"swa", "full"}, log[-3000:]
+    # every chunk of the full-attention layer; of the sliding-window layer (a 128-token
+    # window) the chunks from the prompt's end back to where a window can reach
+    keys = chunk_keys(prompt, cluster.policy("a", namespace={"model": MODEL}), "swa")
+    assert keys[0].startswith(spaces["full"])  # the replay's and bench's keys are these
+    n_full = stored(cluster, rank_keys(keys, spaces["full"]))
+    n_swa = stored(cluster, rank_keys(keys, spaces["swa"]))
+    reach = LONG - CHUNK - 127
+    assert n_full == len(keys) == LONG // CHUNK
+    assert n_swa == sum((c + 1) * CHUNK > reach for c in range(len(keys)))
+    assert n_swa <= 4

@@ -120,7 +120,7 @@ def save_prompt(s, req_id, tokens, ids):
     assert [len(j.keys) for j in meta.saves] == [len(tokens) // CHUNK]
     run_worker(s.worker, meta)
     r.num_computed_tokens = len(tokens)
-    assert s.sched.request_finished(r, ids)[0] is False  # all saved in-step: no hold
+    assert s.sched.request_finished(r, (ids,))[0] is False  # all saved in-step: no hold
     return r
 
 
@@ -254,7 +254,7 @@ def test_final_save_at_request_end_holds_the_blocks_until_gathered(sides):
     assert [len(j.keys) for j in meta.saves] == [1]  # chunk 1 is computed, not yet keyable
     run_worker(sides.worker, meta)
     r.all_token_ids, r.num_tokens, r.num_computed_tokens = tokens[:131], 131, 130
-    hold, params = sides.sched.request_finished(r, ids)
+    hold, params = sides.sched.request_finished(r, (ids,))
     assert hold and params == {"kvtier": {"hit_tokens": {}, "recomputed_tokens": 0,
                                           "load_deadlines_ms": [], "saved_chunks": 2,
                                           "loads": {"async": 0, "sync": 0}}}
@@ -281,7 +281,7 @@ def test_request_aborted_while_loading_saves_nothing_and_holds_nothing(sides):
     sides.sched.update_state_after_alloc(r, blocks(range(50, 60)), n)
     r.num_computed_tokens = n  # vLLM sets it at allocation, before the load lands
     # Nothing was loaded into a request that never ran: no hit is counted (nor recomputed).
-    assert sides.sched.request_finished(r, list(range(50, 60))) == \
+    assert sides.sched.request_finished(r, (list(range(50, 60)),)) == \
         (False, {"kvtier": {"hit_tokens": {}, "recomputed_tokens": 0,
                             "load_deadlines_ms": [ANY_DEADLINE], "saved_chunks": 0,
                             "loads": {"async": 1, "sync": 0}}})
@@ -305,7 +305,7 @@ def test_session_hints_reach_the_store_and_later_turns_are_inferred(sides):
         sides.sched.update_state_after_alloc(r, blocks(ids), 0)
         run_worker(sides.worker, step(sides.sched, [(req_id, ids, 0)], {req_id: len(tokens)}))
         r.num_computed_tokens = len(tokens)
-        sides.sched.request_finished(r, ids)
+        sides.sched.request_finished(r, (ids,))
         chains = {sid: chain for sid, _, chain in read_sessions(sides.sched.store.index)}
         assert set(chains) == {"agent-7"}  # the second turn was attached without a hint
         assert len(chains["agent-7"]) == (len(tokens) - 1) // CHUNK
@@ -328,7 +328,7 @@ def test_a_turn_ending_on_a_tool_call_is_learned_as_a_tool_wait(sides):
         sides.sched.update_state_after_alloc(r, blocks(ids), 0)
         run_worker(sides.worker, step(sides.sched, [(req_id, ids, 0)], {req_id: len(tokens)}))
         r.num_computed_tokens, r.output_token_ids = len(tokens), out
-        sides.sched.request_finished(r, ids)
+        sides.sched.request_finished(r, (ids,))
         store = sides.sched.store
         if forward:
             meta = step(sides.sched)
@@ -377,7 +377,7 @@ def test_with_the_workers_elsewhere_lookups_and_turn_ends_reach_their_store(side
         ("lookup", "agent-9", 2.0)]
     run_worker(sides.worker, pickle.loads(pickle.dumps(meta)))  # it crosses processes
     r.num_computed_tokens = len(tokens)
-    sides.sched.request_finished(r, ids)
+    sides.sched.request_finished(r, (ids,))
     # the turn ended with the engine's last request: it must step once more to tell
     assert sides.sched.has_pending_push_work()
     assert "agent-9" not in {sid for sid, _, _ in read_sessions(sides.worker.store.index)}
@@ -432,7 +432,7 @@ def test_auto_loads_in_the_background_while_other_requests_run(sides):
     r = request("r2", tokens)
     assert sides.sched.get_num_new_matched_tokens(r, 0) == (4 * CHUNK, True)
     busy.num_computed_tokens = 40
-    sides.sched.request_finished(busy, [60, 61])
+    sides.sched.request_finished(busy, ([60, 61],))
     assert sides.sched.get_num_new_matched_tokens(r, 0) == (4 * CHUNK, False)
 
 

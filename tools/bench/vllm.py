@@ -2,10 +2,10 @@
 
 Two engine processes with the kvtier connector (nodes `a` and `b`: own index and nvme dir,
 one shared dir, one embedded `mooncake_master`) serve the tiny random model of
-`model_kind` (llama, mla, swa). The bytes one token takes in the store are read off a stored
-frame. (On the MLA model vLLM's CPU build keeps no prefix cache of its own: `local` is a hit
-from kvtier on the same node.) For each prompt
-size, with fresh random prompts per measurement:
+`model_kind` (llama, mla, swa). The bytes one token takes in the store are summed over the
+stored frames of every KV cache group. (On the MLA model vLLM's CPU build keeps no prefix
+cache of its own: `local` is a hit from kvtier on the same node.) For each prompt size, with
+fresh random prompts per measurement:
 
 - cold: `a` prefills a prompt nobody has seen (connector on: lookup miss, saves);
 - local: `a` again, the same prompt (vLLM's own prefix cache), once `a`'s saves and the
@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtier.store.base import block
+from kvtier.store.base.keys import NS_HEX
 from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 from kvtier.tools.vllm_engine import (BLOCK_SIZE, ENGINE_ARGS, MODEL_KINDS, Engine,
@@ -196,12 +197,18 @@ class Bench:
                 time.sleep(0.2)
 
     def stored_bytes_per_token(self) -> float:
-        """Bytes one token takes in the store (frame header included), read off a stored
-        frame in the shared tier."""
-        for path in sorted((self.root / "shared").rglob("*.kvb")):
+        """Bytes one token of a prompt takes in the store, frame headers included: every
+        frame in the shared tier (of every KV cache group) over the tokens of the chunks of
+        the group a hit's prefix is keyed by (a sliding-window group keeps fewer chunks)."""
+        prefix = prompt_keys([0] * self.spec.chunk_tokens, self.policy("probe"),
+                             self.spec.dtype, self.spec.block_size,
+                             self.spec.model_kind)[0][:NS_HEX]
+        total, chunks = 0, 0
+        for path in (self.root / "shared").rglob("*.kvb"):
             header = block.parse_header(path.read_bytes()[:block.HEADER_SIZE])
-            return round(header.frame_len / self.spec.chunk_tokens, 1)
-        return 0.0
+            total += header.frame_len
+            chunks += header.key.startswith(prefix)
+        return round(total / (chunks * self.spec.chunk_tokens), 1) if chunks else 0.0
 
     def run(self) -> list[Result]:
         results = {n: Result(n) for n in self.spec.sizes}
