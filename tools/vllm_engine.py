@@ -63,9 +63,10 @@ def model_dir() -> Path:
 
 
 def prompt_keys(prompt: list[int], policy: dict, dtype: str = "bfloat16",
-                block_size: int = 32, kind: str = "llama") -> list[str]:
+                block_size: int = 32, kind: str = "llama", hybrid: bool = True) -> list[str]:
     """The kvtier keys of `prompt`'s full chunks, as KVTierConnector names them for the tiny
-    model of `kind` served with `policy` (namespace.model set) at rank 0."""
+    model of `kind` served with `policy` (namespace.model set) at rank 0; `hybrid`: vLLM's
+    hybrid memory allocator is on (a sliding-window model keeps two KV cache groups)."""
     from types import SimpleNamespace
 
     from kvtier.connector.naming import KVShape, make_namespace
@@ -76,6 +77,10 @@ def prompt_keys(prompt: list[int], policy: dict, dtype: str = "bfloat16",
         m = TINY_MLA
         shape = KVShape(m["num_hidden_layers"], 1, block_size,
                         (m["kv_lora_rank"] + m["qk_rope_head_dim"]) * elem, dtype, "mla")
+    elif kind == "swa" and not hybrid:  # one group: both layers, every token
+        m = TINY_SWA
+        shape = KVShape(m["num_hidden_layers"], m["num_key_value_heads"], block_size,
+                        2 * m["head_dim"] * elem, dtype)
     elif kind == "swa":  # vLLM's hybrid allocator: [sliding-window, full]; the full one
         m = TINY_SWA      # is the group a hit's prefix is keyed by
         layers = m["layer_types"]

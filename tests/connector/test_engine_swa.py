@@ -5,8 +5,7 @@ kvtier implements vLLM's hybrid memory allocator (`SupportsHMA`), so vLLM keeps 
 KV cache groups with their own block ids, the sliding-window layer's blocks below its window
 freed as vLLM frees them without a connector. kvtier stores every chunk of the full group
 and of the sliding-window group only the chunks a window reaches from the prompt's end on.
-Two engine processes on one kvtier cluster; slow (three engine starts), run with
-`--runslow`.
+Two engine processes on one kvtier cluster, and one without kvtier for the reference output.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from kvtier.connector.naming import rank_keys  # noqa: E402
 from kvtier.store.base.config import policy_from_dict  # noqa: E402
 from kvtier.store.tiered import TieredStore  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = pytest.mark.vllm
 TOKENS = 16
 LONG = 3000
 MODEL = "tiny-swa"

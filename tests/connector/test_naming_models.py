@@ -111,3 +111,32 @@ def test_blocks_of_one_kind_are_a_miss_for_an_engine_of_another(tmp_path):
         assert store.lookup(full_keys).hit_blocks == 0
         outs = [memoryview(bytearray(block.HEADER_SIZE + len(payload))) for _ in full_keys]
         assert store.load(full_keys, outs) == [MISS] * len(full_keys)
+
+
+def test_each_group_of_a_hybrid_allocator_is_its_own_namespace(tmp_path):
+    """vLLM's hybrid allocator: a sliding-window group beside a full-attention one of the
+    same geometry (one layer each) gets its own kind, window and namespace; the full group
+    is the one a hit's prefix is keyed by."""
+    pol, _ = policy(tmp_path)
+    kw = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    swa = vllm_kv.SlidingWindowSpec(sliding_window=128, **kw)
+    full = vllm_kv.FullAttentionSpec(**kw)
+    tensors = [vllm_kv.KVCacheTensor(size=8 * full.page_size_bytes, layers=[n],
+                                     layer_stride=8 * full.page_size_bytes,
+                                     block_stride=full.page_size_bytes) for n in "ab"]
+    cfg = vllm_kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=tensors, kv_cache_groups=[
+        vllm_kv.KVCacheGroupSpec(["a"], swa), vllm_kv.KVCacheGroupSpec(["b"], full)])
+    groups = naming.kv_groups(cfg)
+    assert [(g.kind, g.window, g.group, g.num_layers) for g in groups] == [
+        ("swa", 127, 0, 1), ("full", 0, 1, 1)]
+    assert naming.kv_shape(cfg) == groups[1]
+    fps = {naming.make_namespace(vllm_config(), g, pol).fingerprint() for g in groups}
+    one = naming.kv_shape(cache_config(full, layers=1))  # hybrid allocator off
+    fps.add(naming.make_namespace(vllm_config(), one, pol).fingerprint())
+    assert len(fps) == 3
+    only_windows = vllm_kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=tensors,
+                                         kv_cache_groups=[
+        vllm_kv.KVCacheGroupSpec(["a"], swa),
+        vllm_kv.KVCacheGroupSpec(["b"], vllm_kv.SlidingWindowSpec(sliding_window=64, **kw))])
+    with pytest.raises(ConfigError, match="all its KV cache groups are sliding-window"):
+        naming.kv_groups(only_windows, "X")

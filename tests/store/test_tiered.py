@@ -404,8 +404,19 @@ def machine(shared_master, tmp_path):
     return TieredMachine
 
 
-def test_tiered_state_machine(machine):
+def run_machine(machine, examples: int) -> None:
     from hypothesis.stateful import run_state_machine_as_test
     run_state_machine_as_test(machine, settings=settings(
-        max_examples=12, stateful_step_count=20, deadline=None,
+        max_examples=examples, stateful_step_count=20, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]))
+
+
+def test_tiered_state_machine(machine):
+    # Each reopen closes the Mooncake client, which takes 1.6 s here: a few examples in the
+    # suite, more in the long variant.
+    run_machine(machine, 5)
+
+
+@pytest.mark.slow
+def test_tiered_state_machine_long(machine):
+    run_machine(machine, 40)

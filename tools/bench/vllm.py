@@ -67,6 +67,8 @@ class BenchSpec:
     # the tiny model's architecture (`tiny_models`): llama, mla (DeepSeek-V2 shape, its own
     # block size 16), swa (Gemma 3 shape, sliding window beside full attention)
     model_kind: str = "llama"
+    # vLLM's hybrid memory allocator (off: one KV cache group, every layer for every token)
+    hybrid_allocator: bool = True
 
     def __post_init__(self):
         if self.model_kind not in MODEL_KINDS:
@@ -155,7 +157,7 @@ class Bench:
                                                           load=self.spec.load),
                 block_size=self.spec.block_size, dtype=self.spec.dtype,
                 max_model_len=max(self.spec.sizes) + 256, inproc=self.spec.inproc,
-                engine_args=ENGINE_ARGS[self.spec.model_kind])
+                engine_args=self.engine_args())
         for engine in self.engines.values():  # first requests pay one-time setup costs
             for n in (512, min(self.spec.sizes)):
                 engine.generate([self.prompt(n)], 1)
@@ -185,9 +187,7 @@ class Bench:
         from kvtier.store.tiered import TieredStore
         probe = self.policy("probe")
         probe["tiers"] = [t for t in probe["tiers"] if t["kind"] == "sharedfs"]
-        keys = [k for p in prompts for k in prompt_keys(p, probe, self.spec.dtype,
-                                                       self.spec.block_size,
-                                                       self.spec.model_kind)]
+        keys = [k for p in prompts for k in self.keys_of(p, probe)]
         with TieredStore(policy_from_dict(probe), node_id="probe", mover=False) as store:
             deadline = time.monotonic() + timeout_s
             while store.lookup(keys).hit_blocks < len(keys):
@@ -196,13 +196,21 @@ class Bench:
                                        f"{timeout_s:.0f}s; see {self.root}/engine-a.log")
                 time.sleep(0.2)
 
+    def engine_args(self) -> dict:
+        args = dict(ENGINE_ARGS[self.spec.model_kind])
+        if not self.spec.hybrid_allocator:
+            args["disable_hybrid_kv_cache_manager"] = True
+        return args
+
+    def keys_of(self, prompt: list[int], policy: dict) -> list[str]:
+        return prompt_keys(prompt, policy, self.spec.dtype, self.spec.block_size,
+                           self.spec.model_kind, hybrid=self.spec.hybrid_allocator)
+
     def stored_bytes_per_token(self) -> float:
         """Bytes one token of a prompt takes in the store, frame headers included: every
         frame in the shared tier (of every KV cache group) over the tokens of the chunks of
         the group a hit's prefix is keyed by (a sliding-window group keeps fewer chunks)."""
-        prefix = prompt_keys([0] * self.spec.chunk_tokens, self.policy("probe"),
-                             self.spec.dtype, self.spec.block_size,
-                             self.spec.model_kind)[0][:NS_HEX]
+        prefix = self.keys_of([0] * self.spec.chunk_tokens, self.policy("probe"))[0][:NS_HEX]
         total, chunks = 0, 0
         for path in (self.root / "shared").rglob("*.kvb"):
             header = block.parse_header(path.read_bytes()[:block.HEADER_SIZE])

@@ -32,6 +32,10 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
          model_kind: str = typer.Option("llama", "--model-kind", help="the tiny random "
                                         "model: llama, mla (DeepSeek-V2 shape), swa (Gemma 3 "
                                         "shape: sliding window beside full attention)"),
+         hybrid_allocator: bool = typer.Option(True, "--hybrid-allocator/--no-hybrid-allocator",
+                                               help="vLLM's hybrid memory allocator (off: a "
+                                               "sliding-window model keeps one KV cache "
+                                               "group, every layer for every token)"),
          dir: Optional[Path] = typer.Option(None, "--dir", help="keep the model, tiers and "
                                             "logs here (default: a temp dir)"),
          json_out: Optional[Path] = typer.Option(None, "--json", help="write the numbers here"),
@@ -53,7 +57,8 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
                                  param_hint="--model-kind")
     spec = BenchSpec(sizes=tuple(int(s) for s in sizes.split(",")), repeats=repeats,
                      chunk_tokens=chunk_tokens, dtype=dtype, inproc=not multiproc, pool=pool,
-                     load=load, busy=busy, model_kind=model_kind)
+                     load=load, busy=busy, model_kind=model_kind,
+                     hybrid_allocator=hybrid_allocator)
     console = Console(width=max(110, Console().width))
     with console.status("kvtier bench vllm") as status:
         doc = run_bench(spec, dir, progress=lambda msg: status.update(f"bench vllm: {msg}"))
