@@ -251,7 +251,9 @@ class WorkerSide:
         recving: set[str] = set()
         if self.io is not None:
             if self._idle_step:  # nothing else to do this step: wait for a load, briefly
-                self.io.wait_for_load(IDLE_WAIT_S)
+                until = time.monotonic() + IDLE_WAIT_S
+                for g in self.groups.values():  # a request is done when all its groups are
+                    g.io.wait_for_load(max(0.0, until - time.monotonic()))
             if len(self.groups) == 1:
                 done, failed, settled = self.io.take_results()
                 self._errors |= failed
