@@ -60,8 +60,8 @@ def refusal(model_config) -> str | None:
     archs = getattr(model_config, "architectures", None) or ["this model"]
     what = "has no attention KV" if free else (
         "keeps recurrent state (state-space or linear-attention layers) beside its attention")
-    return (f"kvtier cannot serve {archs[0]}: it {what}, and kvtier stores only full-attention "
-            "and MLA KV; serve it without the kvtier connector")
+    return (f"kvtier cannot serve {archs[0]}: it {what}, and kvtier stores only attention "
+            "KV (full, sliding-window, MLA); serve it without the kvtier connector")
 
 
 def _check(extra) -> None:
