@@ -101,9 +101,13 @@ def kv_groups(kv_cache_config: Any, architecture: str = "this model") -> list[KV
         ok = len(specs) == 1 and isinstance(specs[0], AttentionSpec)
     if not ok:
         kinds = ", ".join(type(s).__name__ for s in specs)
+        fix = ("serve it with --disable-hybrid-kv-cache-manager (one KV cache group) or "
+               "without the kvtier connector") if several and all(
+            isinstance(s, AttentionSpec) for s in specs) else \
+            "serve it without the kvtier connector"
         raise ConfigError(f"kvtier cannot serve {architecture}: its KV cache groups are "
                           f"[{kinds}], kvtier stores full-attention, MLA and sliding-window "
-                          "groups; serve it without the kvtier connector")
+                          f"groups; {fix}")
     if several and all(isinstance(s, SlidingWindowSpec) for s in specs):
         raise ConfigError(f"kvtier cannot serve {architecture}: all its KV cache groups are "
                           "sliding-window, kvtier needs a full-attention group beside them; "
