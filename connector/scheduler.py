@@ -224,6 +224,11 @@ class SchedulerSide:
                       found.hit_blocks - first, plan.expected_s * 1e3, plan.recompute_s * 1e3)
         return first + plan.chunks, plan.deadline_s
 
+    def _rows(self, ids: list[int], chunks: Any) -> list[list[int]]:
+        """The block ids of each of `chunks` (chunk indices) in one group's `ids`."""
+        m = self.m
+        return [ids[c * m:(c + 1) * m] for c in chunks]
+
     def _span(self, shape: Any, first: int, hits: int) -> int:
         """The first chunk of [first, hits) that group `shape` loads: all of them, or for a
         sliding-window group those its window reaches from the hit's end."""
@@ -262,8 +267,7 @@ class SchedulerSide:
         all_ids = blocks.get_block_ids()
         ids = all_ids[self.shape.group]
         n = min(plan.hits, -(-(plan.num_computed + num_external) // self.chunk) - plan.first)
-        m = self.m
-        rows = [ids[c * m:(c + 1) * m] for c in range(plan.first, plan.first + n)]
+        rows = self._rows(ids, range(plan.first, plan.first + n))
         skip = plan.num_computed // self.shape.block_size - plan.first * self.m
         self._loads.append(LoadJob(request.request_id, st.keys[plan.first:plan.first + n],
                                    rows, skip, list(plan.tiers[:n]), plan.sync,
@@ -287,7 +291,7 @@ class SchedulerSide:
         end = plan.first + n
         lo = self._span(shape, plan.first, end)
         m = self.m
-        rows = [ids[c * m:(c + 1) * m] for c in range(lo, end)]
+        rows = self._rows(ids, range(lo, end))
         while rows and all(b == NULL_BLOCK for b in rows[0]):
             rows.pop(0)
             lo += 1
@@ -431,7 +435,7 @@ class SchedulerSide:
         if done <= st.saved_upto:
             return False
         keys = self._keys(st, done)
-        rows = [ids[c * self.m:(c + 1) * self.m] for c in range(st.saved_upto, done)]
+        rows = self._rows(ids, range(st.saved_upto, done))
         self._saves.append(SaveJob(st.request.request_id, keys[st.saved_upto:done], rows,
                                    st.hint, self.shape.group))
         for shape, fp in self.others:
@@ -447,16 +451,15 @@ class SchedulerSide:
         """Save another group's part of chunks [start, done): of a sliding-window group only
         the chunks a window can reach from the end of the prompt on, and only while vLLM
         still holds their blocks."""
-        m, keys = self.m, st.keys
         reach = st.request.num_prompt_tokens - self.chunk - shape.window
-        chunks = [c for c in range(start, min(done, len(ids) // m))
-                  if (not shape.windowed or (c + 1) * self.chunk > reach)
-                  and NULL_BLOCK not in ids[c * m:(c + 1) * m]]
-        if chunks:
+        chunks = [c for c in range(start, min(done, len(ids) // self.m))
+                  if not shape.windowed or (c + 1) * self.chunk > reach]
+        kept = [(c, row) for c, row in zip(chunks, self._rows(ids, chunks))
+                if NULL_BLOCK not in row]
+        if kept:
             self._saves.append(SaveJob(st.request.request_id,
-                                       rank_keys([keys[c] for c in chunks], fp),
-                                       [ids[c * m:(c + 1) * m] for c in chunks], st.hint,
-                                       shape.group))
+                                       rank_keys([st.keys[c] for c, _ in kept], fp),
+                                       [row for _, row in kept], st.hint, shape.group))
 
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, dict | None]:

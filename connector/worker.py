@@ -66,7 +66,6 @@ class _Group:
         self.paged: PagedKV | None = None
         self.io: IOThread | None = None
         self.save_pool: StagingPool | None = None
-        self.payload_len = 0
 
 
 class WorkerSide:
@@ -78,7 +77,6 @@ class WorkerSide:
         self.rank = pp_rank * vllm_config.parallel_config.tensor_parallel_size + tp_rank
         self.groups = {g.group: _Group(g, vllm_config, cfg, tp_rank, pp_rank) for g in shapes}
         self.main = self.groups[self.shape.group]
-        self.saves = self.main.saves
         self.fingerprint = self.main.fingerprint
         self.m = cfg.policy.chunk_tokens // self.shape.block_size
         self.num_blocks = kv_cache_config.num_blocks
@@ -107,21 +105,20 @@ class WorkerSide:
                 {n: kv_caches[n] for n in g.shape.layer_names if n in kv_caches}
             g.paged = PagedKV(layers, self.num_blocks, g.shape.block_size)
             check_layout(g.paged.info, g.shape)
-            g.payload_len = self.m * g.paged.info.block_bytes
-            stride = block.frame_size(g.payload_len, block.PAGE)
+            payload_len = self.m * g.paged.info.block_bytes
+            stride = block.frame_size(payload_len, block.PAGE)
             per_buffer = max(1, self.cfg.staging_buffer_bytes // stride)
             device = g.paged.device
             g.save_pool = StagingPool(per_buffer, stride, device, self.cfg.staging_buffers,
                                       self._register, alloc)
             load_pool = StagingPool(per_buffer, stride, device, 1, self._register, alloc)
             g.io = IOThread(self.store, g.paged, load_pool, g.save_pool, self.m,
-                            g.payload_len, self.stats, self.stats_lock)
+                            payload_len, self.stats, self.stats_lock)
             log.info("kvtier: %sKV layout %s%s, %d layers, %d-byte chunks, namespace %s",
                      f"{g.shape.kind} group {g.shape.group}: " if len(self.groups) > 1 else "",
                      g.paged.info.kind, " (fused)" if g.paged.info.fused else "",
-                     g.paged.info.num_layers, g.payload_len, g.fingerprint)
+                     g.paged.info.num_layers, payload_len, g.fingerprint)
         self.paged, self.io = self.main.paged, self.main.io
-        self.payload_len, self.save_pool = self.main.payload_len, self.main.save_pool
 
     def _shared_alloc(self):
         """The first tier's allocator of memory it moves frames through without a copy (a
@@ -259,36 +256,34 @@ class WorkerSide:
                 self._errors |= failed
                 self._settled.extend(settled)
             else:
-                done, settled = self._group_results()
-                failed = self._failed_reqs
+                done, failed = self._group_results(), self._failed_reqs
             recving.update(done)
             if done:
                 log.debug("kvtier: loads done %s, %d failed", sorted(done), len(failed))
         return sending or None, recving or None
 
-    def _group_results(self) -> tuple[list[str], list[tuple[str, int]]]:
-        """Several groups: (requests whose every group's load ended, (request, chunks
-        loaded) of each: the primary group's count if every group loaded all it was asked
-        for, else 0 and the request goes to `failed_recving`)."""
+    def _group_results(self) -> list[str]:
+        """Several groups: the requests whose every group's load ended. Each is settled
+        with the primary group's chunks if every group loaded all it was asked for, else
+        with 0, and then goes to `failed_recving`."""
         for gid, group in self.groups.items():
             _, _, settled = group.io.take_results()
             for req, n in settled:
                 job = self._group_loads.get(req, {}).get(gid)
                 if job is not None:
                     job[1] = n
-        done, out = [], []
+        done = []
         for req, jobs in list(self._group_loads.items()):
             if any(n is None for _, n in jobs.values()):
                 continue
             del self._group_loads[req]
             whole = all(n >= asked for asked, n in jobs.values())
             main = jobs.get(self.shape.group, [0, 0])[1]
-            out.append((req, main if whole else 0))
+            self._settled.append((req, main if whole else 0))
             if not whole:
                 self._failed_reqs.add(req)
             done.append(req)
-        self._settled.extend(out)
-        return done, out
+        return done
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """vLLM's `KVConnectorTransferResults`: `get_finished`, and the requests whose load

@@ -108,6 +108,14 @@ class Cluster:
         return kvtier_transfer_config(self.policy(node, **policy_over), node_id=node,
                                       load_deadline=load_deadline)
 
+    def probe(self, tiers: tuple[str, ...] = ("dram", "nvme", "shared")):
+        """A store over the cluster's `tiers` that lends nothing and runs no mover: to ask
+        what the engines' stores hold (a context manager)."""
+        from kvtier.store.base.config import policy_from_dict
+        from kvtier.store.tiered import TieredStore
+        return TieredStore(policy_from_dict(self.policy("probe", tiers=tiers)),
+                           node_id="probe", mover=False, lend=False, start_master=False)
+
     def close(self) -> None:
         if self.master is not None:
             self.master.stop()

@@ -19,10 +19,8 @@ pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
     cluster, Engines, chunk_keys, full_block_tokens, make_tiny_model, random_prompt, wait_for)
-from kvtier.store.base.config import policy_from_dict  # noqa: E402
 from kvtier.store.base.index import Index  # noqa: E402
 from kvtier.store.counters import read_counters  # noqa: E402
-from kvtier.store.tiered import TieredStore  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 LONG = 4096
@@ -43,10 +41,8 @@ def engine(engines, cluster, name):
 
 def in_pool(cluster, prompt) -> bool:
     """Whether every full chunk of `prompt` is in the pool (a lender saves after it answers)."""
-    pol = cluster.policy("probe", tiers=("dram",))
-    keys = chunk_keys(prompt, pol)
-    with TieredStore(policy_from_dict(pol), node_id="probe", mover=False, lend=False,
-                     start_master=False) as store:
+    keys = chunk_keys(prompt, cluster.policy("probe", tiers=("dram",)))
+    with cluster.probe(("dram",)) as store:
         return store.lookup(keys, observe=False).hit_blocks == len(keys)
 
 

@@ -19,8 +19,6 @@ pytest.importorskip("vllm")
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
     cluster, BLOCK_SIZE, CHUNK, chunk_keys, tiny_engines, random_prompt)
 from kvtier.connector.naming import rank_keys  # noqa: E402
-from kvtier.store.base.config import policy_from_dict  # noqa: E402
-from kvtier.store.tiered import TieredStore  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TOKENS = 16
@@ -47,9 +45,7 @@ def group_namespaces(log: str) -> dict[str, str]:
 
 def stored(cluster, keys: list[str]) -> int:
     """How many of `keys` the cluster holds, in any tier."""
-    pol = cluster.policy("probe")
-    with TieredStore(policy_from_dict(pol), node_id="probe", mover=False, lend=False,
-                     start_master=False) as store:
+    with cluster.probe() as store:
         return sum(store.lookup([k], observe=False).hit_blocks for k in keys)
 
 

@@ -200,7 +200,7 @@ def test_stats_reach_prometheus():
 
 def test_requests_larger_than_a_staging_buffer_move_in_several_batches(sides):
     tokens = random_prompt(8, 1300)  # 20 chunks of 68 KiB frames; a 1 MiB buffer holds 15
-    assert sides.worker.save_pool.capacity < 20
+    assert sides.worker.main.save_pool.capacity < 20
     src, dst = list(range(0, 41)), list(range(60, 101))
     save_prompt(sides, "r1", tokens, src)
     _, n = load_into(sides, "r2", tokens, dst)
