@@ -13,6 +13,7 @@ import pytest
 
 from kvtier.store.base.config import MasterConfig, policy_from_dict
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
+from kvtier.tools.api_server import metric_sum  # noqa: F401  (the tests' helper too)
 
 
 def pytest_addoption(parser):
@@ -92,19 +93,6 @@ def make_policy(root: Path, master_address: str = "127.0.0.1:1", **overrides):
 @pytest.fixture
 def policy_factory(tmp_path):
     return lambda **kw: make_policy(tmp_path, **kw)
-
-
-def metric_sum(url: str, name: str) -> float:
-    """The sum of Prometheus metric `name` over its label sets at `url` (0 with no sample)."""
-    import urllib.request
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        if not line.startswith("#") and head.split("{", 1)[0] == name:
-            total += float(value)
-    return total
 
 
 def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.05):

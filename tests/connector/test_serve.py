@@ -10,12 +10,9 @@ Node `a` reads its policy from a file (`kvtier_config`), node `b` gets it inline
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,93 +24,18 @@ from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
     CHUNK, Cluster, chunk_keys, files_of, full_block_tokens, kvtier_transfer_config,
     make_tiny_model, random_prompt, wait_for)
 from conftest import metric_sum  # noqa: E402
-from kvtier.tiers.mooncake.master import free_port  # noqa: E402
+from kvtier.tools.api_server import ApiServer  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 START_TIMEOUT_S = 600  # two servers starting at once on two cores
 TOKENS = 8
 
 
-class Server:
-    """One OpenAI API server process on 127.0.0.1 (its process group is stopped at close)."""
-
-    def __init__(self, model: Path, transfer_config: dict, log_path: Path):
-        self.port = free_port()
-        self.model = str(model)
-        self.log_path = log_path
-        self._log = open(log_path, "ab")
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init",
-               "--dtype", "float32", "--block-size", "32", "--max-model-len", "4096",
-               "--enforce-eager", "--seed", "0", "--enable-prompt-tokens-details",
-               "--shutdown-timeout", "30",  # stop the workers gracefully (README)
-               "--kv-transfer-config", json.dumps(transfer_config)]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n"
-                                     + self.log_path.read_text()[-3000:])
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(1)
-        raise AssertionError("server not ready in time:\n" + self.log_path.read_text()[-3000:])
+class Server(ApiServer):
+    """One OpenAI API server (`kvtier.tools.api_server`) answering `TOKENS` tokens."""
 
     def complete(self, prompt: list[int], kvtier: dict | None = None) -> dict:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0,
-                "return_token_ids": True}
-        if kvtier is not None:
-            body["kv_transfer_params"] = {"kvtier": kvtier}
-        req = urllib.request.Request(self.url("/v1/completions"), json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.loads(r.read())
-
-    def metric(self, name: str) -> float:
-        return metric_sum(self.url("/metrics"), name)
-
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:]
-
-    def close(self) -> None:
-        """SIGTERM to the group (as Ctrl-C or systemd stop), then wait for every process of
-        it: the API server can exit while its engine-core and worker processes still drain."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        deadline = time.monotonic() + 60
-        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if _group_alive(self.proc.pid):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if not self._log.closed:
-            self._log.close()
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a live (not zombie) process is left in process group `pgid`."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # it just exited
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+        return super().complete(prompt, TOKENS, kvtier, timeout_s=120)[0]
 
 
 @pytest.fixture(scope="module")

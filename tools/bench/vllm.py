@@ -92,13 +92,19 @@ class Result:
     def p99_ms(self, case: str) -> float | None:
         """The tail a user feels: the 99th percentile of the repeats (the worst of fewer
         than 100)."""
-        v = sorted(self.ttft_s[case])
-        return v[min(len(v) - 1, int(0.99 * len(v)))] * 1e3 if v else None
+        v = self.ttft_s[case]
+        return p99(v) * 1e3 if v else None
 
     def min_ms(self, case: str) -> float | None:
         """The best of the repeats: on a shared machine, interference only adds time."""
         v = self.ttft_s[case]
         return min(v) * 1e3 if v else None
+
+
+def p99(values: list[float]) -> float:
+    """The 99th percentile of `values` by nearest rank: the worst of fewer than 100."""
+    v = sorted(values)
+    return v[min(len(v) - 1, int(0.99 * len(v)))]
 
 
 def node_policy(root: Path, node: str, master: str, spec: BenchSpec,
@@ -273,7 +279,7 @@ def targets(results: list[Result]) -> list[dict]:
     return out
 
 
-def _spin(n: int) -> list[subprocess.Popen]:
+def spin(n: int) -> list[subprocess.Popen]:
     """`n` processes that each keep a core busy (what a CPU-heavy job beside a server does)."""
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
@@ -284,7 +290,7 @@ def run_bench(spec: BenchSpec, root: Path | None = None, progress=print) -> dict
         spinning: list[subprocess.Popen] = []
         try:
             bench.start()
-            spinning = _spin(spec.busy)
+            spinning = spin(spec.busy)
             results = bench.run()
             per_token = bench.stored_bytes_per_token()
         finally:

@@ -96,4 +96,5 @@ def _secs(value: float | None) -> str:
 from kvtier.tools.commands import bench_vllm as cli_bench_vllm  # noqa: E402
 
 app.command("vllm")(cli_bench_vllm.vllm)
+app.command("serve")(cli_bench_vllm.serve)
 app.command("gather", context_settings=cli_bench_vllm.GATHER_SETTINGS)(cli_bench_vllm.gather)

@@ -1,4 +1,5 @@
-"""`kvtier bench vllm` and `kvtier bench gather`: the connector's data paths, measured."""
+"""`kvtier bench vllm`, `kvtier bench serve` and `kvtier bench gather`: the connector's data
+paths, measured."""
 
 from __future__ import annotations
 
@@ -94,6 +95,64 @@ def render(console: Console, doc: dict, stat: str, title: str) -> None:
         table.add_row(str(res["size"]), *cells, ratio(med["dram"], med["local"]),
                       ratio(med["cold"], med["dram"]))
     console.print(table)
+
+
+def serve(requests: int = typer.Option(20, min=1, help="prompts, each cold on a, then a "
+                                       "hit on b"),
+          tokens: int = typer.Option(8192, min=256, help="tokens per prompt"),
+          busy: int = typer.Option(2, min=0, help="processes keeping a core busy each "
+                                   "beside the servers (a CPU-heavy job on the host)"),
+          pool: str = typer.Option("files", help="files: the README's setup, each server "
+                                   "lends from a /dev/shm file the other reads in place; "
+                                   "embedded: each lends its own segment, the other reads "
+                                   "it over TCP"),
+          gap_s: float = typer.Option(1.0, "--gap-s", min=0, help="seconds between a's "
+                                      "answer and b's request (an agent's turn)"),
+          kvtier_path: Optional[Path] = typer.Option(None, "--kvtier-path", help="run the "
+                                                     "servers on the kvtier package found "
+                                                     "here (a directory holding `kvtier/`: "
+                                                     "an older checkout, measured beside "
+                                                     "this one)"),
+          dir: Optional[Path] = typer.Option(None, "--dir", help="keep the model, tiers and "
+                                             "logs here (default: a temp dir)"),
+          json_out: Optional[Path] = typer.Option(None, "--json", help="write the numbers "
+                                                  "here"),
+          ) -> None:
+    """TTFT through two OpenAI API servers in the README's setup, beside a CPU-heavy job:
+    no hit should take longer than 1.2x the median cold prefill."""
+    from kvtier.tools.bench.serve import ServeSpec, run_serve_bench
+
+    if kvtier_path is not None and not (kvtier_path / "kvtier").is_dir():
+        raise typer.BadParameter(f"{kvtier_path}: no kvtier/ package in it (give the "
+                                 "directory that holds kvtier/)", param_hint="--kvtier-path")
+    try:
+        spec = ServeSpec(requests=requests, tokens=tokens, busy=busy, pool=pool, gap_s=gap_s,
+                         pythonpath=str(kvtier_path.resolve()) if kvtier_path else None)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    console = Console(width=max(110, Console().width))
+    with console.status("kvtier bench serve") as status:
+        doc = run_serve_bench(spec, dir, progress=lambda m: status.update(f"bench serve: {m}"))
+    table = Table(title=f"kvtier bench serve: TTFT in ms through the API, {requests} prompts "
+                        f"of {tokens} tokens, pool {pool}, {busy} busy cores beside")
+    for col in ("request", "cold (a)", "hit (b)", "loaded", "recomputed", "same token"):
+        table.add_column(col, justify="right")
+    for i, r in enumerate(doc["requests"], 1):
+        loaded = ", ".join(f"{t} {n}" for t, n in r["hit_tokens"].items()) or "-"
+        table.add_row(str(i), f"{r['cold_s'] * 1e3:.0f}", f"{r['hit_s'] * 1e3:.0f}", loaded,
+                      str(r["recomputed_tokens"] if r["recomputed_tokens"] is not None
+                          else "-"), "yes" if r["same_output"] else "[red]NO[/]")
+    console.print(table)
+    s = doc["summary"]
+    mark = "[green]ok[/]" if s["ok"] else "[red]MISSED[/]"
+    console.print(f"  cold P50 {s['cold_p50_ms']} P99 {s['cold_p99_ms']}; hit P50 "
+                  f"{s['hit_p50_ms']} P99 {s['hit_p99_ms']} ms")
+    console.print(f"  worst hit / median cold: {s['worst_hit_over_median_cold']} (target <= "
+                  f"{s['target']}) {mark}")
+    console.print("  b's metrics: " + ", ".join(f"{k} {v:g}" for k, v in
+                                                doc["metrics_b"].items()))
+    if json_out is not None:
+        write_report(doc, json_out)
 
 
 def gather(ctx: typer.Context) -> None:
