@@ -88,8 +88,12 @@ class ApiServer:
         req = urllib.request.Request(self.url("/v1/completions"), json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         start = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            out = json.loads(r.read())
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                out = json.loads(r.read())
+        except OSError as e:  # URLError, HTTPError, a timeout: the server's log says why
+            raise ApiServerError(f"completion on port {self.port} failed: {e}; the server's "
+                                 f"log ends:\n{self.log_tail()}") from None
         return out, time.perf_counter() - start
 
     def metric(self, name: str) -> float:

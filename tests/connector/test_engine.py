@@ -74,9 +74,11 @@ def test_remote_hit_from_another_instance_is_token_identical(engines, cluster):
 
 
 def test_partial_hit_and_a_load_that_starts_inside_the_local_hit(engines, cluster):
-    prompt = random_prompt(1, LONG)  # b holds it in its local prefix cache now
+    prompt = random_prompt(1, LONG)
     longer = prompt + random_prompt(11, 1000)
     a, b = node(engines, cluster, "a"), node(engines, cluster, "b")
+    assert served(b, prompt).num_cached_tokens >= full_block_tokens(prompt) - CHUNK
+    # b holds it in its local prefix cache now
     served(a, longer)  # a computes and saves the continuation
     out = served(b, longer)
     local = full_block_tokens(prompt)
