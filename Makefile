@@ -8,9 +8,9 @@ PIP      := $(PY) -m pip
 DEB_PKGS := libibverbs1 librdmacm1 libnuma1 fio etcd-server glusterfs-server glusterfs-client
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
-# The suite runs on two pytest-xdist workers, a test file on one worker (tests/conftest.py):
-# the engines, servers and masters of one file start while another file runs. TEST_WORKERS=0:
-# one process.
+# The suite runs on two pytest-xdist workers, each test file on one worker, in file order
+# (`--dist loadfile`: a module's engines, servers and masters start once, and the tests that
+# build on the ones before them in a file see their work). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 
 .PHONY: demo test setup deb venv clean bench-tiers peers help
@@ -46,7 +46,7 @@ $(VENV)/.stamp-install: pyproject.toml
 	@touch $@
 
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/kvtier demo

@@ -20,13 +20,7 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="run the long variants too")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    # `make test` runs the suite on two xdist workers (`--dist loadgroup`): a file's tests
-    # stay on one worker, so a module's fixtures (engines, servers, masters) start once and
-    # the tests that share a machine-wide resource (GlusterFS's port) run one at a time.
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="long variant: run with --runslow")
