@@ -10,7 +10,8 @@ SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 # The suite runs on two pytest-xdist workers, each test file on one worker, in file order
 # (`--dist loadfile`: a module's engines, servers and masters start once, and the tests that
-# build on the ones before them in a file see their work). TEST_WORKERS=0: one process.
+# build on the ones before them in a file see their work). TEST_WORKERS=0: one process. Tests
+# marked `alone` (a TTFT against its deadline) run after the rest, with nothing beside them.
 TEST_WORKERS ?= 2
 
 .PHONY: demo test setup deb venv clean bench-tiers peers help
@@ -46,7 +47,8 @@ $(VENV)/.stamp-install: pyproject.toml
 	@touch $@
 
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not alone" $(PYTEST_ARGS)
+	$(PY) -m pytest -m alone $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/kvtier demo

@@ -22,7 +22,7 @@ from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
 from kvtier.store.base.index import Index  # noqa: E402
 from kvtier.store.counters import read_counters  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.alone]
 LONG = 4096
 OLD_STALL_S = 30.0  # what the same load cost before deadlines: Mooncake's own give-up
 
