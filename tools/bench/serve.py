@@ -158,16 +158,12 @@ def run_serve_bench(spec: ServeSpec, root: Path | None = None, progress=print) -
         root = Path(root or tmp)
         root.mkdir(parents=True, exist_ok=True)
         bench = ServeBench(root, spec, progress)
-        spinning = []
         try:
             bench.start()
-            spinning = spin(spec.busy)
-            rows = bench.run()
+            with spin(spec.busy):
+                rows = bench.run()
             metrics = bench.metrics()
         finally:
-            for p in spinning:
-                p.kill()
-                p.wait()
             bench.close()
     return {"spec": asdict(spec), "requests": rows, "summary": summarize(rows),
             "metrics_b": metrics}

@@ -34,8 +34,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from kvtier.store.base import block
 from kvtier.store.base.keys import NS_HEX
@@ -279,24 +281,28 @@ def targets(results: list[Result]) -> list[dict]:
     return out
 
 
-def spin(n: int) -> list[subprocess.Popen]:
-    """`n` processes that each keep a core busy (what a CPU-heavy job beside a server does)."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+@contextmanager
+def spin(n: int) -> Iterator[None]:
+    """`n` processes that each keep a core busy (what a CPU-heavy job beside a server does),
+    killed on exit."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def run_bench(spec: BenchSpec, root: Path | None = None, progress=print) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-") as tmp:
         bench = Bench(Path(root or tmp), spec, progress)
-        spinning: list[subprocess.Popen] = []
         try:
             bench.start()
-            spinning = spin(spec.busy)
-            results = bench.run()
+            with spin(spec.busy):
+                results = bench.run()
             per_token = bench.stored_bytes_per_token()
         finally:
-            for p in spinning:
-                p.kill()
-                p.wait()
             bench.close()
     return {"spec": asdict(spec), "first_remote_hit_ms": round(bench.first_remote_s * 1e3, 1),
             "stored_bytes_per_token": per_token,
