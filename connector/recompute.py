@@ -8,11 +8,25 @@ that follows: how much of a hit to load, and by when.
 over the requests i of the step, each computing n_i new tokens after c_i computed ones: a
 fixed cost per forward, the per-token work, and attention over the context. It is fitted
 by non-negative least squares on the engine's recent steps (the scheduler times one step
-as the interval to the next, when the engine ran without a pause), and starts from a prior
+as the interval to the next, when the engine ran without a pause), anchored to a prior
 rate that is deliberately slow (`prior_tokens_per_s`): a model that thinks recomputing is
 slow only lengthens deadlines and loads more, never gives up a hit the engine needs.
+
+The anchor is a ridge toward the prior, so the steps decide only what they can tell
+apart. An engine that only ever serves hits computes the same short tail after the same
+long context on every step: its steps fix the cost of that one kind of step and say
+nothing of how it splits between the terms, and an unanchored fit split it arbitrarily
+(seen: every second put on attention, a per-token cost of zero, an 8K-token recompute
+predicted at 1.1 s that took 1.9 s, and loads cut by deadlines 40% too short). With the
+anchor, what the steps cannot separate stays at the slow prior.
+
+A prediction also stays within what this engine has measured: never below the recent
+steps of no more work, never above those of no less (cost grows with both tokens and
+attention work, so a bigger step takes at least as long). Each bound is the median of a
+size class's recent steps on that side, when there are at least three; where the bounds
+cross (noise), the lower one wins: a slow guess is the safe one.
 Recomputing `n` tokens after `ctx` takes `ceil(n / max_batch)` forwards (vLLM's chunked
-prefill) of that cost.
+prefill), each predicted so.
 
 `plan_load` decides, per request, from the tiers each hit chunk lies in, their measured
 read rates (`TieredStore.expected_load_s`) and this model: the prefix of the hit whose
@@ -31,7 +45,9 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -39,10 +55,13 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 WINDOW = 256          # steps the fit looks at
-REFIT_EVERY = 16      # steps between fits
+REFIT_EVERY = 16      # steps between fits, once the window is an eighth full (every step before)
 MIN_STEPS = 8         # steps with tokens before the fit replaces the prior
 PRIOR_STEP_S = 0.002  # a forward's fixed cost until measured
 MARGIN = 0.1          # of the recompute time a load saves: what failing over costs
+PRIOR_STEPS = 1.0     # what the prior weighs, per term, in steps
+CLASS_STEPS = 5       # recent steps kept per size class for the measured bounds
+CLASS_MIN = 3         # steps of a class that must agree before it sets a bound
 
 
 class RecomputeModel:
@@ -51,7 +70,10 @@ class RecomputeModel:
     def __init__(self, prior_tokens_per_s: float = 2000.0, max_batch_tokens: int = 8192):
         self.max_batch = max(1, int(max_batch_tokens))
         self._coef = np.array([PRIOR_STEP_S, 1.0 / prior_tokens_per_s, 0.0])
+        self._prior = self._coef.copy()
         self._rows: list[tuple[float, float, float]] = []  # (N, A, seconds)
+        # size class (log2 N, log2 A) -> its recent (N, A, seconds): the measured bounds
+        self._classes: dict[tuple[int, int], deque] = {}
         self._since_fit = 0
         self._fits = 0
         self._lock = threading.Lock()
@@ -67,45 +89,84 @@ class RecomputeModel:
         """One forward computed `tokens` new tokens (attention work `attn`) in `seconds`."""
         if tokens <= 0 or seconds <= 0:
             return
+        first = False
         with self._lock:
             self._rows.append((tokens, attn, seconds))
             del self._rows[:-WINDOW]
+            size = _size_class(tokens, attn)
+            self._classes.setdefault(size, deque(maxlen=CLASS_STEPS)).append(
+                (tokens, attn, seconds))
             self._since_fit += 1
-            if len(self._rows) >= MIN_STEPS and self._since_fit >= min(REFIT_EVERY,
-                                                                       len(self._rows)):
+            every = min(REFIT_EVERY, max(1, len(self._rows) // 8))
+            if len(self._rows) >= MIN_STEPS and self._since_fit >= every:
                 self._since_fit = 0
                 first = not self._fits
-                self._coef = _fit(np.array(self._rows), self._coef)
+                self._coef = _fit(np.array(self._rows), self._prior, self.max_batch)
                 self._fits += 1
-                if first:
-                    log.info("kvtier: prefill cost learned from %d steps: %.1f ms a forward, "
-                             "%.0f tokens/s (16K tokens recompute in %.2f s)", len(self._rows),
-                             self._coef[0] * 1e3, 1 / max(self._coef[1], 1e-12),
-                             self.predict(16384))
+        if first:
+            log.info("kvtier: prefill cost learned from %d steps: %s tokens recompute in "
+                     "%.2f s, 16K in %.2f s", len(self._rows), self.max_batch,
+                     self.predict(self.max_batch), self.predict(16384))
 
     def predict(self, tokens: int, ctx: int = 0) -> float:
         """Seconds to compute `tokens` tokens after `ctx` computed ones."""
         if tokens <= 0:
             return 0.0
         a, b, c = self._coef
-        steps = math.ceil(tokens / self.max_batch)
-        return float(a * steps + b * tokens + c * tokens * (ctx + tokens / 2))
+        total = 0.0
+        with self._lock:
+            for start in range(0, tokens, self.max_batch):
+                n = min(self.max_batch, tokens - start)
+                attn = n * (ctx + start + n / 2)
+                low, high = self._measured(n, attn)
+                total += max(low, min(float(a + b * n + c * attn), high))
+        return total
+
+    def _measured(self, tokens: float, attn: float) -> tuple[float, float]:
+        """What recent steps of no more work than (tokens, attn) took at most, and steps of
+        no less work at least: per size class, the median of its steps on that side, once
+        there are `CLASS_MIN` of them (one slow step, a neighbour's burst, sets no bound)."""
+        me_n, me_a = _size_class(tokens, attn)
+        low, high = 0.0, math.inf
+        for (cn, ca), steps in self._classes.items():
+            if cn <= me_n and ca <= me_a:
+                under = [s for n, a, s in steps if n <= tokens and a <= attn]
+                if len(under) >= CLASS_MIN:
+                    low = max(low, statistics.median(under))
+            if cn >= me_n and ca >= me_a:
+                over = [s for n, a, s in steps if n >= tokens and a >= attn]
+                if len(over) >= CLASS_MIN:
+                    high = min(high, statistics.median(over))
+        return low, high
 
     @property
     def fitted(self) -> bool:
         return len(self._rows) >= MIN_STEPS
 
 
-def _fit(rows: np.ndarray, prior: np.ndarray) -> np.ndarray:
+def _size_class(tokens: float, attn: float) -> tuple[int, int]:
+    return int(tokens).bit_length(), int(attn).bit_length()
+
+
+def _fit(rows: np.ndarray, prior: np.ndarray, max_batch: int) -> np.ndarray:
     """Non-negative least squares of seconds on (1, N, A), relative error weighted (a slow
-    1 ms step matters as much as a slow 1 s one); the prior where the data cannot say."""
+    1 ms step matters as much as a slow 1 s one), with a ridge toward `prior` so that what
+    the steps cannot tell apart stays at the prior. Each term's ridge is in units of the
+    prior's time for a full batch from an empty context: moving one coefficient by that
+    much weighs like `PRIOR_STEPS` steps mispredicted by 100%."""
     x = np.column_stack([np.ones(len(rows)), rows[:, 0], rows[:, 1]])
     y = rows[:, 2]
     w = 1.0 / np.maximum(y, 1e-6)
+    n_ref = float(max_batch)
+    t_ref = float(prior[0] + prior[1] * n_ref + prior[2] * n_ref * n_ref / 2)
+    scale = np.array([t_ref, t_ref / n_ref, t_ref / (n_ref * n_ref / 2)])
+    anchor = np.diag(math.sqrt(PRIOR_STEPS) / scale)
     active = [0, 1, 2]
     for _ in range(3):  # drop a term that comes out negative and refit the others
         coef = np.zeros(3)
-        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        lhs = np.vstack([x[:, active] * w[:, None], anchor[np.ix_(active, active)]])
+        rhs = np.concatenate([y * w, anchor[np.ix_(active, active)] @ prior[active]])
+        sol, *_ = np.linalg.lstsq(lhs, rhs, rcond=None)
         coef[active] = sol
         neg = [j for j in active if coef[j] < 0]
         if not neg:

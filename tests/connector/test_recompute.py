@@ -85,3 +85,48 @@ def test_a_load_never_timed_gets_the_whole_recompute_time():
     model = fitted()
     plan = plan_load(["dram"] * 64, CHUNK, 0, rate(0.0001, measured=False), model)
     assert plan.deadline_s == pytest.approx(model.predict(64 * CHUNK) * (1 - MARGIN))
+
+
+def test_an_engine_that_only_serves_hits_does_not_guess_a_cheap_recompute():
+    # Every step computes the same short tail after the same long context: the steps fix
+    # that step's cost and cannot tell the terms apart; a full prefill must not come out
+    # cheaper than the engine's (it did: all the cost put on attention, half the truth).
+    a, b, c = 0.004, 20e-6, 6e-8
+    model = RecomputeModel(prior_tokens_per_s=2000, max_batch_tokens=8192)
+    rng = random.Random(1)
+    for _ in range(40):
+        n, ctx = 256 - rng.randrange(3), 7936 + rng.randrange(3)
+        tokens, attn = RecomputeModel.step_features([(n, ctx)])
+        model.observe(tokens, attn, (a + b * n + c * n * (ctx + n / 2)) * rng.uniform(0.9, 1.1))
+    assert model.fitted
+    tail = a + b * 256 + c * 256 * (7936 + 128)
+    assert model.predict(256, 7936) == pytest.approx(tail, rel=0.15)  # what it measured
+    truth = a + b * 8192 + c * 8192 * 4096
+    assert model.predict(8192) >= truth  # what it did not: the slow prior, not a guess
+
+
+def test_a_prediction_is_never_below_what_the_engine_measured_for_no_more_work():
+    # Small steps of a cheap engine, then a few big ones that took far longer than the
+    # small ones extrapolate to (a cost the three terms miss): big work is predicted at
+    # least as slow as it was measured, and one slow small step does not slow the rest.
+    model = fitted()
+    big = RecomputeModel.step_features([(8192, 0)])
+    for s in (2.0, 2.2, 2.1):
+        model.observe(*big, s)
+    assert model.predict(8192) >= 2.0
+    assert model.predict(8192, 1000) >= 2.0  # more work than measured: at least as slow
+    small = model.predict(512)
+    model.observe(*RecomputeModel.step_features([(512, 0)]), 5.0)
+    assert model.predict(512) == pytest.approx(small, rel=0.2)
+
+
+def test_a_prediction_is_never_above_what_the_engine_measured_for_more_work():
+    # Before its first fit the model is the slow prior (8K tokens in 4 s); three measured
+    # 8K forwards of half a second bound everything smaller at once.
+    model = RecomputeModel(prior_tokens_per_s=2000, max_batch_tokens=8192)
+    for s in (0.5, 0.55, 0.45):
+        model.observe(*RecomputeModel.step_features([(8192, 0)]), s)
+    assert not model.fitted
+    assert model.predict(4096) <= 0.5
+    assert model.predict(8192) == pytest.approx(0.5)
+    assert model.predict(8192, 4096) > 0.5  # more work than measured: the prior again
