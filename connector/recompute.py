@@ -56,7 +56,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 WINDOW = 256          # steps the fit looks at
 REFIT_EVERY = 16      # steps between fits, once the window is an eighth full (every step before)
-MIN_STEPS = 8         # steps with tokens before the fit replaces the prior
+MIN_STEPS = 2         # steps with tokens before the first fit (the anchor holds the rest)
 PRIOR_STEP_S = 0.002  # a forward's fixed cost until measured
 MARGIN = 0.1          # of the recompute time a load saves: what failing over costs
 PRIOR_STEPS = 1.0     # what the prior weighs, per term, in steps
