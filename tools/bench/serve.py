@@ -109,6 +109,7 @@ class ServeBench:
         info = _kvtier(hit)
         return {"cold_s": cold_s, "hit_s": hit_s, "hit_tokens": info.get("hit_tokens", {}),
                 "recomputed_tokens": info.get("recomputed_tokens"),
+                "load_deadlines_ms": info.get("load_deadlines_ms", []),
                 "cached_tokens": (hit.get("usage", {}).get("prompt_tokens_details") or {})
                 .get("cached_tokens"),
                 "same_output": _token(hit) == _token(cold)}
@@ -120,8 +121,9 @@ class ServeBench:
         for i in range(1, self.spec.requests + 1):
             rows.append(self.pair(i))
             r = rows[-1]
+            deadline = "".join(f", deadline {ms:.0f} ms" for ms in r["load_deadlines_ms"][:1])
             self.say(f"request {i}/{self.spec.requests}: cold {r['cold_s'] * 1e3:.0f} ms, "
-                     f"hit {r['hit_s'] * 1e3:.0f} ms")
+                     f"hit {r['hit_s'] * 1e3:.0f} ms{deadline}")
         return rows
 
     def metrics(self) -> dict[str, float]:
