@@ -73,3 +73,31 @@ def test_vllm_two_engines_round_robin_kvtier_beats_their_own_prefix_caches(tmp_p
     # persisted block; the indexes keep no record of pool blocks (the master has them)
     held = report["runs"][0]["configs"]["kvtier"]["held"]
     assert held["shared"]["blocks"] > 0 and "dram" not in held
+
+
+@pytest.mark.vllm
+def test_vllm_a_peer_connector_runs_the_same_plan_as_a_baseline(tmp_path):
+    # vLLM's own MooncakeStoreConnector, as its users run it, on the same plan and engines:
+    # its pool finds the turns moved between engines too, and the report compares kvtier
+    # with it at the same pool size.
+    pytest.importorskip("vllm")
+    report = replay(tmp_path, "--engine", "vllm", "--instances", "2", "--sessions", "3",
+                    "--turns", "3", "--scale", "0.05", "--speed", "4",
+                    "--baselines", "local,mooncake-store")
+    kv, peer, local = (overall(report, x) for x in ("kvtier", "mooncake-store", "local"))
+    assert kv["requests"] == peer["requests"] == local["requests"] == 9
+    assert peer["hit_rate"] >= local["hit_rate"] + 10
+    assert report["runs"][0]["configs"]["mooncake-store"]["segment_bytes"] == \
+        report["runs"][0]["configs"]["kvtier"]["segment_bytes"]
+    checks = {t["what"] for t in report["targets"]}
+    assert "kvtier hit rate % against mooncake-store" in checks
+    assert "kvtier TTFT P50 / mooncake-store's" in checks
+
+
+def test_a_peer_baseline_needs_real_engines():
+    from kvtier.tools.replay.cluster import ReplayError
+    from kvtier.tools.replay.experiment import EngineSpec
+    with pytest.raises(ReplayError, match="--baselines mooncake-store: .* --engine vllm"):
+        EngineSpec(engine="sim", baselines=("mooncake-store",)).check()
+    with pytest.raises(ReplayError, match="unknown 'lru'; known: local, dram-only, mooncake"):
+        EngineSpec(engine="vllm", baselines=("lru",)).check()

@@ -141,32 +141,11 @@ class MooncakeStore(System):
     POOL = "2GiB"  # the `mooncake_client`'s segment: kvtier's pool service lends as much
 
     def prepare(self) -> None:
-        self.master = EmbeddedMaster(MasterConfig(address=f"127.0.0.1:{free_port()}",
-                                                  run_dir=self.root),
-                                     log_path=self.root / "mooncake-store-master.log").start()
-        self.client = None
-        try:
-            tier = MooncakeTierConfig(kind="mooncake", name="pool", capacity=self.POOL,
-                                      buffer="128MiB", service=f"127.0.0.1:{free_port()}")
-            self.client = PoolService(tier, self.master.cfg,
-                                      log_path=self.root / "mooncake-store-client.log").start()
-            (self.root / "mooncake-store.json").write_text(json.dumps({
-                "metadata_server": self.master.cfg.metadata_server,
-                "master_server_address": self.master.address, "protocol": "tcp",
-                "device_name": "", "mode": "standalone-store", "global_segment_size": 0,
-                "local_buffer_size": 512 << 20}))
-        except BaseException:
-            self.close()
-            raise
+        self.master, self.client, self.env = start_standalone_store(self.root, self.POOL)
 
     def start(self) -> None:
-        env = {"MOONCAKE_CONFIG_PATH": str(self.root / "mooncake-store.json"), **LOOPBACK_ENV}
-        self.start_engines({node: (self.transfer_config(), env) for node in ("a", "b")})
-
-    @staticmethod
-    def transfer_config() -> dict:
-        return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"lookup_rpc_port": free_port()}}
+        self.start_engines({node: (mooncake_store_transfer_config(), self.env)
+                            for node in ("a", "b")})
 
     def stored(self) -> int:
         """The keys the master holds."""
@@ -176,9 +155,39 @@ class MooncakeStore(System):
 
     def close(self) -> None:
         super().close()
-        if self.client is not None:
-            self.client.stop()
+        self.client.stop()
         self.master.stop()
+
+
+def start_standalone_store(root: Path, capacity: str | int,
+                           ) -> tuple[EmbeddedMaster, PoolService, dict[str, str]]:
+    """What `MooncakeStoreConnector` engines in `standalone-store` mode join: a master and
+    a `mooncake_client` lending `capacity` (a kvtier pool service is one), started on the
+    calling thread, and the environment the engines need (their Mooncake config file, on
+    loopback). Stop both when done."""
+    master = EmbeddedMaster(MasterConfig(address=f"127.0.0.1:{free_port()}", run_dir=root),
+                            log_path=root / "mooncake-store-master.log").start()
+    try:
+        tier = MooncakeTierConfig(kind="mooncake", name="pool", capacity=capacity,
+                                  buffer="128MiB", service=f"127.0.0.1:{free_port()}")
+        client = PoolService(tier, master.cfg,
+                             log_path=root / "mooncake-store-client.log").start()
+    except BaseException:
+        master.stop()
+        raise
+    config = root / "mooncake-store.json"
+    config.write_text(json.dumps({
+        "metadata_server": master.cfg.metadata_server,
+        "master_server_address": master.address, "protocol": "tcp", "device_name": "",
+        "mode": "standalone-store", "global_segment_size": 0,
+        "local_buffer_size": 512 << 20}))
+    return master, client, {"MOONCAKE_CONFIG_PATH": str(config), **LOOPBACK_ENV}
+
+
+def mooncake_store_transfer_config() -> dict:
+    """One engine's `MooncakeStoreConnector` config: a lookup port of its own."""
+    return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lookup_rpc_port": free_port()}}
 
 
 class VllmAlone(System):

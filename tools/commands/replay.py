@@ -139,7 +139,9 @@ def replay(
     speed: float = typer.Option(1.0, min=0.001, help="engines: time runs this much faster"),
     dram: str = typer.Option("1.5", help="engines: DRAM pool sizes as fractions of the "
                              "working set (comma-separated)"),
-    baselines: str = typer.Option("local,dram-only", help="engines: baselines to run too"),
+    baselines: str = typer.Option("local,dram-only", help="engines: baselines to run too, of "
+                                  "local, dram-only and the peer mooncake-store (vLLM's "
+                                  "MooncakeStoreConnector, --engine vllm)"),
     kv_ratio: float = typer.Option(4.0, min=0.1, help="engines: live contexts / KV cache"),
     kv_tokens: int = typer.Option(0, min=0, help="engines: KV cache tokens per instance "
                                   "(0: from --kv-ratio)"),

@@ -5,7 +5,10 @@ A configuration (`Config`) is what the comparison varies:
   instance lends `dram_bytes / N` to it), an nvme dir per instance, one shared dir;
 - `dram-only`: the same pool, no nvme and no sharedfs (what a DRAM-only pool does when it
   is small);
-- `local`: no connector: each instance has only vLLM's own prefix cache.
+- `local`: no connector: each instance has only vLLM's own prefix cache;
+- `mooncake-store`: a peer, vLLM's own `MooncakeStoreConnector` as its users run it
+  (standalone-store mode: one `mooncake_client` lending a pool of the same size as kvtier's,
+  over TCP on loopback; `tools.bench.peer_systems`).
 Every cluster starts empty (its own master and directories), so configurations never see each
 other's blocks. Both engine kinds use the same node policies (`node_policy`).
 """
@@ -18,7 +21,8 @@ from pathlib import Path
 from kvtier.store.base.block import HEADER_SIZE
 from kvtier.store.base.errors import KVTierError
 
-KINDS = ("kvtier", "dram-only", "local")
+KINDS = ("kvtier", "dram-only", "local", "mooncake-store")
+PEERS = ("mooncake-store",)  # other systems' connectors, run as their users would
 MIN_SEGMENT = 16 << 20  # Mooncake's smallest segment
 MODEL_NAME = "tiny-llama"
 
@@ -29,19 +33,25 @@ class ReplayError(KVTierError):
 
 @dataclass(frozen=True)
 class Config:
-    kind: str                     # kvtier | dram-only | local
+    kind: str                     # one of KINDS
     dram_frac: float | None       # pool size as a fraction of the working set
     label: str
 
     @property
     def uses_store(self) -> bool:
+        """Whether the instances run the kvtier connector."""
+        return self.kind in ("kvtier", "dram-only")
+
+    @property
+    def pooled(self) -> bool:
+        """Whether the configuration has a DRAM pool (kvtier's or a peer's) to size."""
         return self.kind != "local"
 
 
 def configs(dram_fracs: tuple[float, ...], baselines: tuple[str, ...]) -> list[Config]:
     """kvtier at each DRAM size, the DRAM-only pool at each size below the working set (one
     that holds it all hits as kvtier does; with a single size it runs anyway, as the
-    comparison asked for), then local-only once."""
+    comparison asked for), each peer asked for at every size, then local-only once."""
     many = len(dram_fracs) > 1
     out = []
     for f in dram_fracs:
@@ -50,6 +60,10 @@ def configs(dram_fracs: tuple[float, ...], baselines: tuple[str, ...]) -> list[C
     if "dram-only" in baselines:
         out += [Config("dram-only", f, "dram-only" + (f"@{100 * f:g}%" if many else ""))
                 for f in dram_fracs if f < 1 or not many]
+    for peer in PEERS:
+        if peer in baselines:
+            out += [Config(peer, f, peer + (f"@{100 * f:g}%" if many else ""))
+                    for f in dram_fracs]
     if "local" in baselines:
         out.append(Config("local", None, "local"))
     return out

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvtier.store.base import block
 from kvtier.tools.jsonout import plain
-from kvtier.tools.replay.cluster import Config, ReplayError, Sizing, configs
+from kvtier.tools.replay.cluster import PEERS, Config, ReplayError, Sizing, configs
 from kvtier.tools.replay.metrics import summarize
 from kvtier.tools.replay.plan import Plan, PlanSpec, make_plan
 from kvtier.tools.replay.router import ROUTERS
@@ -80,9 +80,14 @@ class EngineSpec:
             raise ReplayError("--chunk-tokens must be a multiple of 32 (the engines' block "
                               f"size), got {self.chunk_tokens}")
         from kvtier.store.base.policies import ADMISSION_KINDS, EVICTION_KINDS
-        bad = [b for b in self.baselines if b not in ("local", "dram-only")]
+        known = ("local", "dram-only", *PEERS)
+        bad = [b for b in self.baselines if b not in known]
         if bad:
-            raise ReplayError(f"--baselines: unknown {bad[0]!r}; known: local, dram-only")
+            raise ReplayError(f"--baselines: unknown {bad[0]!r}; known: {', '.join(known)}")
+        peers = [b for b in self.baselines if b in PEERS]
+        if peers and (self.engine != "vllm" or self.hosts > 1):
+            raise ReplayError(f"--baselines {peers[0]}: a peer runs on real engines on one "
+                              "host; use --engine vllm --hosts 1, or leave it out")
         if self.eviction not in EVICTION_KINDS or self.eviction == "belady":
             raise ReplayError(f"--eviction: expected an online policy, one of "
                               f"{', '.join(k for k in EVICTION_KINDS if k != 'belady')}")
@@ -169,7 +174,7 @@ def run_engine_replay(spec: EngineSpec, ui) -> dict:
         sizing = Sizing(payload, plan.unique_blocks * block.frame_size(payload, block.PAGE), n)
         cfgs = configs(spec.dram, spec.baselines)
         for cfg in cfgs:
-            if cfg.uses_store:
+            if cfg.pooled:
                 sizing.segment_bytes(cfg.dram_frac)  # raises ReplayError when too small
         prepared.append((n, plan, sizing, cfgs))
     runs = []
@@ -223,7 +228,7 @@ def _result(ctx: RunCtx, cfg: Config, records: list[dict], extra: dict, wall: fl
     summary = summarize(records, tiers, bytes_per_token(ctx.spec.dtype),
                         ctx.spec.chunk_tokens, ctx.kv_tok)
     return {"kind": cfg.kind, "dram_frac": cfg.dram_frac, "tiers": tiers,
-            "segment_bytes": ctx.sizing.segment_bytes(cfg.dram_frac) if cfg.uses_store else 0,
+            "segment_bytes": ctx.sizing.segment_bytes(cfg.dram_frac) if cfg.pooled else 0,
             "wall_s": round(wall, 1), **summary, **extra,
             "requests": [_rounded(r) for r in records]}
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.tools.replay.cluster import PEERS
 from kvtier.tools.replay.metrics import ratios
 
 MiB = 1 << 20
@@ -22,7 +23,11 @@ MiB = 1 << 20
 # What each kind of configuration is, for the tables' footnotes and the plots' legends.
 KINDS = {"kvtier": ("pool + disk tiers", "the DRAM pool, then nvme and the shared dir"),
          "dram-only": ("pool only", "the DRAM pool alone, no disk tier"),
-         "local": ("no kvtier", "each vLLM instance's own prefix cache only, no kvtier")}
+         "local": ("no kvtier", "each vLLM instance's own prefix cache only, no kvtier"),
+         "mooncake-store": ("vLLM's MooncakeStoreConnector",
+                            "vLLM's own Mooncake store connector (standalone-store: a pool of "
+                            "the same size, over TCP); vLLM reports its hits with the local "
+                            "prefix cache's, so its hit % has no local split")}
 
 
 def legend(label: str, c: dict) -> str:
@@ -95,7 +100,8 @@ def _compare(run: dict) -> Table:
             f"{100 * c['dram_frac']:g}%={c['segment_bytes'] * run['instances'] / MiB:,.0f}M"
         read = "/".join(f"{o['bytes_read'][n] / MiB:,.0f}" if n in c["tiers"] else "-"
                         for n in names)
-        t.add_row(label, dram, f"{o['hit_rate']:.1f}", f"{o['hit_by_tier']['local']:.1f}",
+        local = "" if c["kind"] in PEERS else f"{o['hit_by_tier']['local']:.1f}"
+        t.add_row(label, dram, f"{o['hit_rate']:.1f}", local,
                   *[f"{o['hit_by_tier'].get(n, 0):.1f}" if n in c["tiers"] else ""
                     for n in names],
                   _ms(o["ttft_p50_s"]), _ms(o["ttft_p99_s"]), _ms(o["e2e_p50_s"]),
@@ -189,7 +195,7 @@ def _per_turn_plot(plt, run: dict) -> tuple[str, object]:
 
 def _dram_plot(plt, run: dict) -> tuple[str, object]:
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for kind in ("kvtier", "dram-only"):
+    for kind in ("kvtier", "dram-only", *PEERS):
         pts = sorted((c["dram_frac"] * 100, c["overall"]["hit_rate"])
                      for c in run["configs"].values() if c["kind"] == kind)
         if pts:

@@ -43,8 +43,7 @@ class RunCtx:
 
 
 def tier_names(cfg: Config) -> list[str]:
-    return {"kvtier": ["dram", "nvme", "shared"], "dram-only": ["dram"],
-            "local": []}[cfg.kind]
+    return {"kvtier": ["dram", "nvme", "shared"], "dram-only": ["dram"]}.get(cfg.kind, [])
 
 
 def run_config(ctx: RunCtx, cfg: Config, root: Path, ui) -> tuple[list[dict], dict]:

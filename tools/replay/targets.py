@@ -7,6 +7,8 @@ Each check compares configurations of the same run, never against fixed timings:
   and how long the prompts are (a hit saves at most the prefill it replaces);
 - small pool: kvtier with the DRAM pool cut to a smaller fraction is within 2 points of the
   largest pool's hit rate; the DRAM-only pool of the same size is reported beside it;
+- peers: kvtier against each peer (`mooncake-store`) with a pool of the same size: hit
+  rate at least the peer's, TTFT P50 and P99 at most the peer's;
 - scaling (an instance sweep): kvtier's hit rate stays within 2 points across instance
   counts, and throughput within 20% of linear (throughput(n) / (throughput(n0) * n / n0)).
 A check whose configurations did not run is left out.
@@ -14,11 +16,13 @@ A check whose configurations did not run is left out.
 
 from __future__ import annotations
 
+from kvtier.tools.replay.cluster import PEERS
+
 
 def evaluate(report: dict) -> list[dict]:
     out: list[dict] = []
     for run in report["runs"]:
-        out += _main(run) + _small_pool(run)
+        out += _main(run) + _small_pool(run) + _peers(run)
     if len(report["runs"]) > 1:
         out += _scaling(report["runs"])
     return out
@@ -75,6 +79,25 @@ def _small_pool(run: dict) -> list[dict]:
                    f"; DRAM-only pool of {100 * frac:g}%: {dram_only:.1f}%"))
         out.append(_check(f"kvtier hit rate % with DRAM at {100 * frac:g}% of the working set",
                           hit, hit >= top_hit - 2.0, f">= {top_hit - 2.0:.1f}", n, note))
+    return out
+
+
+def _peers(run: dict) -> list[dict]:
+    cfgs, n = run["configs"], run["instances"]
+    kv = {frac: label for frac, label in _kvtier_labels(run)}
+    out = []
+    for label, c in cfgs.items():
+        mine = kv.get(c["dram_frac"])
+        if c["kind"] not in PEERS or mine is None:
+            continue
+        theirs, ours = c["overall"], cfgs[mine]["overall"]
+        out.append(_check(f"{mine} hit rate % against {label}", ours["hit_rate"],
+                          ours["hit_rate"] >= theirs["hit_rate"],
+                          f">= {theirs['hit_rate']:.1f}", n))
+        for q in ("p50", "p99"):
+            ratio = ours[f"ttft_{q}_s"] / max(theirs[f"ttft_{q}_s"], 1e-9)
+            out.append(_check(f"{mine} TTFT {q.upper()} / {label}'s", ratio, ratio <= 1.0,
+                              "<= 1", n, f"{label}: {theirs[f'ttft_{q}_s'] * 1e3:,.0f} ms"))
     return out
 
 

@@ -9,7 +9,10 @@ each with the same KV cache size (`num_blocks`) and, for store configurations, t
 connector with its node's policy (own index and nvme dir, one shared dir). It warms each
 engine up with one short prompt nobody else sends, and gives one backend per instance for
 `tools.replay.live`, which submits each request on its own (the engines batch continuously;
-baseline and kvtier configurations take the same path). `close()` stops the engines (the
+baseline and kvtier configurations take the same path). A peer's configuration
+(`mooncake-store`) starts what its connector joins instead: a master and a
+`mooncake_client` lending the whole pool (`tools.bench.peer_systems`), and the engines with
+that connector. `close()` stops the engines (the
 connector finishes queued saves) and then the master; `held()` reads, afterwards, what each
 node's index holds per tier.
 
@@ -62,6 +65,8 @@ class VllmCluster:
         self.root, self.cfg, self.n = root, cfg, n
         self.master: EmbeddedMaster | None = None
         self.service = None
+        self.peer_store = None  # a peer's (master, mooncake_client)
+        self.peer_env: dict[str, str] = {}
         self.hosts = None  # a HostCluster: engine k on host k % hosts, the master on one more
         self.engines: list[Engine | None] = [None] * n
         self.policies: list[dict | None] = [None] * n
@@ -78,6 +83,11 @@ class VllmCluster:
                                          eviction, admission, count_hosts=True)
                              for k in range(n)]
             self.prefixes = [self.hosts.hosts.command(k % hosts, []) for k in range(n)]
+        elif cfg.kind == "mooncake-store":
+            from kvtier.tools.bench.peer_systems import start_standalone_store
+            master, client, self.peer_env = start_standalone_store(
+                root, sizing.segment_bytes(cfg.dram_frac) * n)
+            self.peer_store = (master, client)
         elif cfg.uses_store:
             mcfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
             self.master = EmbeddedMaster(mcfg, log_path=root / "master.log").start()
@@ -128,11 +138,18 @@ class VllmCluster:
 
     def _start_all(self, model: Path) -> None:
         def start(k: int) -> None:
-            ktc = (kvtier_transfer_config(self.policies[k], node_id=f"n{k}",
-                                          staging_buffer="16MiB")
-                   if self.policies[k] else None)
+            kw = dict(self._kw)
+            if self.policies[k]:
+                ktc = kvtier_transfer_config(self.policies[k], node_id=f"n{k}",
+                                             staging_buffer="16MiB")
+            elif self.peer_store is not None:
+                from kvtier.tools.bench.peer_systems import mooncake_store_transfer_config
+                ktc = mooncake_store_transfer_config()
+                kw["env"] = {**kw["env"], **self.peer_env}
+            else:
+                ktc = None
             e = Engine(model, self.root / f"engine-n{k}.log", kv_transfer_config=ktc,
-                       prefix=self.prefixes[k], **self._kw)
+                       prefix=self.prefixes[k], **kw)
             self.engines[k] = e
             e.submit(_warmup_prompt(k), 1).result(600)  # the path the replay takes
 
@@ -174,6 +191,10 @@ class VllmCluster:
         if self.service is not None:
             self.service.stop()
             self.service = None
+        if self.peer_store is not None:
+            for process in reversed(self.peer_store):  # the client, then its master
+                process.stop()
+            self.peer_store = None
         if self.master is not None:
             self.master.stop()
             self.master = None
