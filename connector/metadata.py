@@ -74,6 +74,11 @@ class KVTierMetadata(KVConnectorMetadata):
     # what this step's forward computes, (tokens, attention work) of `RecomputeModel`: the
     # workers time the forward and send it back, so the scheduler learns the engine's cost
     work: tuple[float, float] = (0.0, 0.0)
+    # whether some request of the step computes more than one token (a prefill), and
+    # whether one is left with prompt tokens to compute after it: the workers' movers
+    # yield to a prefill until it ends
+    prefill: bool = False
+    prefill_continues: bool = False
 
     @property
     def empty(self) -> bool:

@@ -358,7 +358,7 @@ class SchedulerSide:
     # ---- per step: block tracking and saves ---------------------------------------------
 
     def build_connector_meta(self, out: Any) -> KVTierMetadata:
-        work = self._step_work(out)
+        work, prefill, continues = self._step_work(out)
         for new in out.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
             if st is None:
@@ -391,7 +391,8 @@ class SchedulerSide:
                     # block and recomputes from there; save what it recomputes.
                     st.saved_upto = computed // self.chunk
             self._plan_save(st, computed + out.num_scheduled_tokens[req_id])
-        meta = KVTierMetadata(self._loads, self._saves, self._hold, self._events, work)
+        meta = KVTierMetadata(self._loads, self._saves, self._hold, self._events, work,
+                              prefill, continues)
         self._loads, self._saves, self._hold, self._events = [], [], [], []
         return meta
 
@@ -400,15 +401,23 @@ class SchedulerSide:
         st.block_ids = list(ids[self.shape.group]) if ids else []
         st.group_ids = {s.group: list(ids[s.group]) if ids else [] for s, _ in self.others}
 
-    @staticmethod
-    def _step_work(out: Any) -> tuple[float, float]:
-        """What this step's forward computes, as `RecomputeModel` counts it."""
-        work = [(out.num_scheduled_tokens.get(r.req_id, 0), r.num_computed_tokens)
+    def _step_work(self, out: Any) -> tuple[tuple[float, float], bool, bool]:
+        """What this step's forward computes, as `RecomputeModel` counts it; whether some
+        request of it computes more than one token (a prefill); whether one still has
+        prompt tokens to compute after this step."""
+        work = [(out.num_scheduled_tokens.get(r.req_id, 0), r.num_computed_tokens, r.req_id)
                 for r in out.scheduled_new_reqs]
         cached = out.scheduled_cached_reqs
-        work += [(out.num_scheduled_tokens.get(r, 0), c)
+        work += [(out.num_scheduled_tokens.get(r, 0), c, r)
                  for r, c in zip(cached.req_ids, cached.num_computed_tokens)]
-        return RecomputeModel.step_features(work)
+        continues = False
+        for n, c, req_id in work:
+            st = self.reqs.get(req_id)
+            if n > 1 and st is not None and c + n < st.request.num_prompt_tokens:
+                continues = True
+                break
+        return (RecomputeModel.step_features([(n, c) for n, c, _ in work]),
+                any(n > 1 for n, _, _ in work), continues)
 
     def has_pending_push_work(self) -> bool:
         """Events not yet handed to the workers: the engine must step once more (a turn that

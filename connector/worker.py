@@ -155,6 +155,8 @@ class WorkerSide:
         """The step's metadata arrived; its forward starts now (timed for the scheduler's
         recompute model; on CUDA with events, as the forward runs asynchronously)."""
         self._forward = None
+        if meta.prefill and self.store is not None:
+            self.store.engine_busy(True)
         if meta.work[0] <= 0 or any(job.sync for job in meta.loads):
             return  # nothing to time, or a synchronous load inside the interval
         self._forward = (meta.work, self._now())
@@ -216,6 +218,8 @@ class WorkerSide:
         if self._forward is not None:  # the forward is done (on CUDA: queued) by now
             self._timed.append((*self._forward, self._now()))
             self._forward = None
+        if not meta.prefill_continues and self.store is not None:
+            self.store.engine_busy(False)  # the prefill (if any) is done: the mover may run
         if meta.saves:
             self._require_registered()
             for job in meta.saves:

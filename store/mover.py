@@ -1,7 +1,13 @@
 """The background mover: persistence, demotion, promotion and prefetch between tiers.
 
 One thread per store. Work arrives on a bounded queue (`persist`, `promote`) and from a
-periodic tick (watermarks, due prefetches). Persists go first: a block saved on this node
+periodic tick (watermarks, due prefetches). While the engine computes a prefill
+(`engine_busy`), a queued job waits until the prefill ends or it has been queued for
+`mover.yield_to_prefill_s`: on a host whose CPUs the prefill uses (a CPU engine, a busy
+host) every copy the mover makes between a prompt's chunks delays its first token, and a
+job that has waited that long runs whatever the engine does, so a steady stream of
+prefills delays persists by at most that much. It never waits while the tier it copies
+from may drop the blocks first (`PersistRisk`) or its queue is half full. Persists go first: a block saved on this node
 is seen by the others once it reaches the shared tier, and a small pool may drop it before
 then, while a promotion only makes a block that is already safe faster to load. Every copy
 goes through the `Copier` (`store.copier`): read from the source tier into one aligned arena
@@ -69,6 +75,7 @@ class Mover:
         self.risk = PersistRisk(self.cfg.low_watermark)
         self._cv = threading.Condition()
         self._stop = False
+        self._busy = False  # the engine is computing a prefill
         self.stats = collections.Counter()
         self.copier = Copier(placement, self.cfg.buffer_bytes, self.hold, self.risk, self.evict,
                              self.stats)
@@ -152,10 +159,33 @@ class Mover:
                 # Bounded memory: a dropped persist leaves the block in the pool only.
                 self.stats[f"{kind}_dropped"] += len(keys)
                 return False
-            self._queues[kind].append((kind, list(keys), src, list(held)))
+            self._queues[kind].append((kind, list(keys), src, list(held), time.monotonic()))
             self._queued += len(keys)
             self._cv.notify()
         return True
+
+    def engine_busy(self, busy: bool) -> None:
+        """The engine started (True) or finished (False) computing a prefill."""
+        with self._cv:
+            if self._busy != busy:
+                self._busy = busy
+                if not busy:
+                    self._cv.notify_all()
+
+    def _yield(self, queued_at: float, src: str) -> None:
+        """Wait while the engine computes a prefill, until the job has been queued for
+        `yield_to_prefill_s`; never while `src` may drop what the job copies from it or the
+        queue is half full."""
+        limit = queued_at + self.cfg.yield_to_prefill_s
+        if self.risk.at_risk(self.by_name[src]):
+            return
+        with self._cv:
+            while self._busy and not self._stop and self._queued <= self.cfg.queue_blocks // 2:
+                left = limit - time.monotonic()
+                if left <= 0:
+                    return
+                self.stats["yield_waits"] += 1
+                self._cv.wait(left)
 
     def pending(self) -> int:
         """Blocks queued or being moved right now."""
@@ -201,9 +231,11 @@ class Mover:
                 job = self._next(pop=True)
                 if job is None:
                     return
-                kind, keys, src, held = job
+                kind, keys, src, held, queued_at = job
             try:
                 for i in range(0, len(keys), self.cfg.batch_blocks):
+                    if self._thread is not None:  # tests and thread-less stores never wait
+                        self._yield(queued_at, src)
                     batch = keys[i:i + self.cfg.batch_blocks]
                     if kind == "persist":
                         self._persist(batch, src)
@@ -263,11 +295,11 @@ class Mover:
             self._stop = True
             promotions = list(self._queues["promote"])
             self._queues["promote"].clear()
-            dropped = sum(len(keys) for _, keys, _, _ in promotions)
+            dropped = sum(len(job[1]) for job in promotions)
             self._queued -= dropped
             self.stats["promote_dropped_at_stop"] += dropped
-            self._cv.notify()
-        for _, _, _, held in promotions:
+            self._cv.notify_all()
+        for _, _, _, held, _ in promotions:
             self.copier.release(held)
         if self._thread is not None:
             self._thread.join()

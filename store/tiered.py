@@ -119,6 +119,11 @@ class TieredStore:
         """Blocks queued for the mover (persists and promotions not yet done)."""
         return self.mover.pending()
 
+    def engine_busy(self, busy: bool) -> None:
+        """The engine started (True) or ended (False) a prefill: the mover yields to it
+        (`mover.yield_to_prefill_s`)."""
+        self.mover.engine_busy(busy)
+
     def mover_stats(self) -> dict[str, int]:
         """The mover's counters (blocks copied, dropped, missed), a snapshot."""
         return dict(self.mover.stats)

@@ -169,7 +169,9 @@ class MoverConfig(BaseModel):
 
     `buffer`: the arena every copy goes through. `hold`: memory for copies of just-saved
     frames, kept until they are persisted when the first tier may drop them first (unset:
-    as much as `buffer`; 0: never copy, persist only by reading the first tier back)."""
+    as much as `buffer`; 0: never copy, persist only by reading the first tier back).
+    `yield_to_prefill_s`: how long queued work may wait while the engine computes a prefill
+    (its copies would take CPU from the prefill; 0: never wait)."""
 
     model_config = _FROZEN
     buffer_bytes: Size = Field(default=256 << 20, alias="buffer", gt=0)
@@ -180,6 +182,7 @@ class MoverConfig(BaseModel):
     high_watermark: float = Field(default=0.9, gt=0, le=1)
     low_watermark: float = Field(default=0.8, gt=0, lt=1)
     promote_on_hit: bool = True
+    yield_to_prefill_s: float = Field(default=10.0, ge=0)
 
     @model_validator(mode="after")
     def _low_below_high(self) -> "MoverConfig":

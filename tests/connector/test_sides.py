@@ -79,7 +79,8 @@ def sides(tmp_path):
 
 def request(req_id: str, tokens: list[int], computed: int = 0, **kw):
     return SimpleNamespace(request_id=req_id, all_token_ids=list(tokens),
-                           num_tokens=len(tokens), num_computed_tokens=computed,
+                           num_tokens=len(tokens), num_prompt_tokens=len(tokens),
+                           num_computed_tokens=computed,
                            prompt_embeds=None, lora_request=None, cache_salt=None,
                            mm_features=[], kv_transfer_params=kw.get("params"))
 
@@ -575,3 +576,24 @@ def test_a_chunk_corrupt_in_the_segment_file_fails_its_blocks_and_every_later_on
     assert dram.counters()["corrupt"] == 1 and dram.contains(keys[2:3]) == [False]
     for a, b in zip(blocks_of(s.caches, src[:4]), blocks_of(s.caches, dst[:4])):
         assert torch.equal(a, b)
+
+
+def test_the_mover_is_told_while_a_prompt_is_prefilled_in_chunks(sides):
+    # vLLM prefills a long prompt over several steps; the worker's mover yields until the
+    # last of them (its copies would take CPU from the prefill), then runs.
+    tokens = random_prompt(3, 4 * CHUNK)
+    ids = list(range(0, 4 * CHUNK // 16))
+    r = request("r1", tokens)
+    sides.sched.get_num_new_matched_tokens(r, 0)
+    sides.sched.update_state_after_alloc(r, blocks(ids), 0)
+    meta = step(sides.sched, [("r1", ids, 0)], {"r1": 2 * CHUNK})  # the first half
+    assert meta.prefill and meta.prefill_continues
+    mover = sides.worker.store.mover
+    sides.worker.begin_step(meta)
+    run_worker(sides.worker, meta)
+    assert mover._busy  # half the prompt is still to compute
+    decode = step(sides.sched, [("r2", [], 0)], {"r2": 1})
+    assert not decode.prefill and not decode.prefill_continues
+    sides.worker.begin_step(decode)
+    run_worker(sides.worker, decode)
+    assert not mover._busy

@@ -4,6 +4,7 @@ mover, and a hypothesis state machine over small tiers."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -420,3 +421,33 @@ def test_tiered_state_machine(machine):
 @pytest.mark.slow
 def test_tiered_state_machine_long(machine):
     run_machine(machine, 40)
+
+
+def persisted_within(store, keys, timeout_s: float) -> bool:
+    nvme, end = store.by_name["nvme"], time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if all(nvme.contains(keys)):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_the_mover_yields_to_a_prefill_until_it_ends(tmp_path, shared_master):
+    keys = block_keys(NS, range(16 * 4))
+    with TieredStore(small_policy(tmp_path, shared_master, yield_to_prefill_s=60)) as store:
+        store.engine_busy(True)
+        store.save(keys, frames_for(keys))
+        assert not persisted_within(store, keys, 0.5)  # ten mover intervals: it waits
+        assert store.mover.stats["yield_waits"] > 0
+        store.engine_busy(False)
+        assert persisted_within(store, keys, 10)
+
+
+def test_a_persist_waits_for_a_prefill_only_so_long(tmp_path, shared_master):
+    keys = block_keys(NS, range(16 * 4))
+    with TieredStore(small_policy(tmp_path, shared_master, yield_to_prefill_s=0.3)) as store:
+        store.engine_busy(True)  # a prefill that never ends
+        t0 = time.monotonic()
+        store.save(keys, frames_for(keys))
+        assert persisted_within(store, keys, 10)
+        assert time.monotonic() - t0 >= 0.3
