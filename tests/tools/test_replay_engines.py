@@ -101,3 +101,14 @@ def test_a_peer_baseline_needs_real_engines():
         EngineSpec(engine="sim", baselines=("mooncake-store",)).check()
     with pytest.raises(ReplayError, match="unknown 'lru'; known: local, dram-only, mooncake"):
         EngineSpec(engine="vllm", baselines=("lru",)).check()
+
+
+def test_a_peer_that_is_not_installed_is_skipped_with_its_reason(tmp_path, monkeypatch):
+    from kvtier.tools.replay.cluster import configs
+    from kvtier.tools.replay.experiment import _runnable
+    monkeypatch.setenv("KVTIER_PEERS_DIR", str(tmp_path / "no-peers"))
+    said = []
+    ui = type("UI", (), {"say": staticmethod(said.append)})
+    kept = _runnable(configs((1.5,), ("local", "lmcache", "mooncake-store")), ui)
+    assert [c.kind for c in kept] == ["kvtier", "mooncake-store", "local"]
+    assert said and "lmcache" in said[0] and "make peers" in said[0]

@@ -64,37 +64,57 @@ class LMCache(System):
     inproc = False
 
     def prepare(self) -> None:
-        self.venv = peers_dir() / "lmcache"
-        self.server = None
-        problem = venv_problem(self.venv)
+        self.server = LMCacheServer(self.root, L1_GB)
+
+    def start(self) -> None:
+        self.start_engines({node: (self.server.transfer_config(), QUIET_ENV)
+                            for node in ("a", "b")}, python=self.server.python)
+
+    def stored(self) -> int:
+        """The objects in the server's L1."""
+        return self.server.stored()
+
+    def close(self) -> None:
+        super().close()
+        if getattr(self, "server", None) is not None:
+            self.server.stop()
+
+
+class LMCacheServer:
+    """One `lmcache server` (L1 of `l1_gb` GB, LRU) from the peers' venv, started and
+    answering; what its engines need: `transfer_config()`, `python`, `QUIET_ENV`.
+    Raises `PeerUnavailable` (one line) when it cannot run here."""
+
+    def __init__(self, root: Path, l1_gb: float):
+        venv = peers_dir() / "lmcache"
+        problem = venv_problem(venv)
         if problem:
             raise PeerUnavailable(problem)
+        self.python = str(venv / "bin" / "python")
         self.port, self.http_port = free_port(), free_port()
-        log_path = self.root / "lmcache-server.log"
-        command = [str(self.venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1",
+        log_path = root / "lmcache-server.log"
+        command = [str(venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1",
                    "--port", str(self.port), "--http-host", "127.0.0.1",
-                   "--http-port", str(self.http_port), "--l1-size-gb", str(L1_GB),
+                   "--http-port", str(self.http_port), "--l1-size-gb", f"{l1_gb:g}",
                    "--eviction-policy", "LRU", "--supported-transfer-mode", "auto"]
         with open(log_path, "ab") as log:
-            self.server = subprocess.Popen(command, stdout=log, stderr=log,
-                                           stdin=subprocess.DEVNULL, env={**os.environ,
-                                                                          **QUIET_ENV},
-                                           start_new_session=True, preexec_fn=die_with_parent)
+            self.proc = subprocess.Popen(command, stdout=log, stderr=log,
+                                         stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **QUIET_ENV},
+                                         start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while self._status() is None:
-            if self.server.poll() is not None or time.monotonic() > deadline:
-                self.close()
+        while self.status() is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
                 raise PeerUnavailable(f"the lmcache server did not start; see {log_path}")
             time.sleep(0.5)
 
-    def start(self) -> None:
-        kvc = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-               "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
-                                             "lmcache.mp.port": self.port}}
-        self.start_engines({node: (kvc, QUIET_ENV) for node in ("a", "b")},
-                           python=str(self.venv / "bin" / "python"))
+    def transfer_config(self) -> dict:
+        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                              "lmcache.mp.port": self.port}}
 
-    def _status(self) -> dict | None:
+    def status(self) -> dict | None:
         try:
             url = f"http://127.0.0.1:{self.http_port}/status"
             with urllib.request.urlopen(url, timeout=2) as resp:
@@ -103,17 +123,15 @@ class LMCache(System):
             return None
 
     def stored(self) -> int:
-        """The objects in the server's L1."""
-        status = self._status() or {}
+        status = self.status() or {}
         l1 = status.get("storage_manager", {}).get("l1_managers", {})
         return sum(m.get("total_object_count", 0) for m in l1.values())
 
-    def close(self) -> None:
-        super().close()
-        if self.server is not None and self.server.poll() is None:
-            self.server.terminate()
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
             try:
-                self.server.wait(30)
+                self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.server.kill()
-                self.server.wait()
+                self.proc.kill()
+                self.proc.wait()

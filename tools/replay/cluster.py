@@ -8,7 +8,10 @@ A configuration (`Config`) is what the comparison varies:
 - `local`: no connector: each instance has only vLLM's own prefix cache;
 - `mooncake-store`: a peer, vLLM's own `MooncakeStoreConnector` as its users run it
   (standalone-store mode: one `mooncake_client` lending a pool of the same size as kvtier's,
-  over TCP on loopback; `tools.bench.peer_systems`).
+  over TCP on loopback; `tools.bench.peer_systems`);
+- `lmcache`: a peer, `LMCacheMPConnector` and one `lmcache server` whose L1 is the pool's
+  size, the engines as vLLM multi-process engines from the peers' venv (`make peers`;
+  `tools.bench.lmcache_peer`).
 Every cluster starts empty (its own master and directories), so configurations never see each
 other's blocks. Both engine kinds use the same node policies (`node_policy`).
 """
@@ -21,8 +24,8 @@ from pathlib import Path
 from kvtier.store.base.block import HEADER_SIZE
 from kvtier.store.base.errors import KVTierError
 
-KINDS = ("kvtier", "dram-only", "local", "mooncake-store")
-PEERS = ("mooncake-store",)  # other systems' connectors, run as their users would
+PEERS = ("mooncake-store", "lmcache")  # other systems' connectors, run as their users would
+KINDS = ("kvtier", "dram-only", "local", *PEERS)
 MIN_SEGMENT = 16 << 20  # Mooncake's smallest segment
 MODEL_NAME = "tiny-llama"
 

@@ -172,7 +172,7 @@ def run_engine_replay(spec: EngineSpec, ui) -> dict:
         sessions = spec.sessions * n if len(spec.instances) > 1 else spec.sessions
         plan = build_plan(spec, sessions)
         sizing = Sizing(payload, plan.unique_blocks * block.frame_size(payload, block.PAGE), n)
-        cfgs = configs(spec.dram, spec.baselines)
+        cfgs = _runnable(configs(spec.dram, spec.baselines), ui)
         for cfg in cfgs:
             if cfg.pooled:
                 sizing.segment_bytes(cfg.dram_frac)  # raises ReplayError when too small
@@ -194,6 +194,21 @@ def run_engine_replay(spec: EngineSpec, ui) -> dict:
     report["targets"] = evaluate(report)
     report["wall_s"] = round(time.time() - t0, 1)
     return report
+
+
+def _runnable(cfgs: list[Config], ui) -> list[Config]:
+    """`cfgs` less the peers that cannot run here (each skipped with its reason: a peer is
+    not kvtier's dependency)."""
+    out = []
+    for cfg in cfgs:
+        if cfg.kind == "lmcache":
+            from kvtier.tools.bench.lmcache_peer import peers_dir, venv_problem
+            problem = venv_problem(peers_dir() / "lmcache")
+            if problem:
+                ui.say(f"[{cfg.label}] skipped: {problem}")
+                continue
+        out.append(cfg)
+    return out
 
 
 def _run_all(ctx: RunCtx, cfgs: list[Config], ui) -> dict:

@@ -27,7 +27,10 @@ KINDS = {"kvtier": ("pool + disk tiers", "the DRAM pool, then nvme and the share
          "mooncake-store": ("vLLM's MooncakeStoreConnector",
                             "vLLM's own Mooncake store connector (standalone-store: a pool of "
                             "the same size, over TCP); vLLM reports its hits with the local "
-                            "prefix cache's, so its hit % has no local split")}
+                            "prefix cache's, so its hit % has no local split"),
+         "lmcache": ("LMCache",
+                     "LMCacheMPConnector and one lmcache server whose L1 is the pool's size, "
+                     "the engines multi-process (make peers); its hit % has no local split")}
 
 
 def legend(label: str, c: dict) -> str:

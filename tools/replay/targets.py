@@ -7,8 +7,8 @@ Each check compares configurations of the same run, never against fixed timings:
   and how long the prompts are (a hit saves at most the prefill it replaces);
 - small pool: kvtier with the DRAM pool cut to a smaller fraction is within 2 points of the
   largest pool's hit rate; the DRAM-only pool of the same size is reported beside it;
-- peers: kvtier against each peer (`mooncake-store`) with a pool of the same size: hit
-  rate at least the peer's, TTFT P50 and P99 at most the peer's;
+- peers: kvtier against each peer (`mooncake-store`, `lmcache`) with a pool of the same
+  size: hit rate at least the peer's, TTFT P50 and P99 at most the peer's;
 - scaling (an instance sweep): kvtier's hit rate stays within 2 points across instance
   counts, and throughput within 20% of linear (throughput(n) / (throughput(n0) * n / n0)).
 A check whose configurations did not run is left out.

@@ -67,6 +67,7 @@ class VllmCluster:
         self.service = None
         self.peer_store = None  # a peer's (master, mooncake_client)
         self.peer_env: dict[str, str] = {}
+        self.lmcache = None  # the lmcache peer's server
         self.hosts = None  # a HostCluster: engine k on host k % hosts, the master on one more
         self.engines: list[Engine | None] = [None] * n
         self.policies: list[dict | None] = [None] * n
@@ -88,6 +89,14 @@ class VllmCluster:
             master, client, self.peer_env = start_standalone_store(
                 root, sizing.segment_bytes(cfg.dram_frac) * n)
             self.peer_store = (master, client)
+        elif cfg.kind == "lmcache":
+            from kvtier.tools.bench.lmcache_peer import QUIET_ENV, LMCacheServer
+            from kvtier.tools.bench.peer_systems import PeerUnavailable
+            try:
+                self.lmcache = LMCacheServer(root, sizing.segment_bytes(cfg.dram_frac) * n / 1e9)
+            except PeerUnavailable as e:
+                raise ReplayError(f"--baselines lmcache: {e}") from e
+            self.peer_env = dict(QUIET_ENV)
         elif cfg.uses_store:
             mcfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
             self.master = EmbeddedMaster(mcfg, log_path=root / "master.log").start()
@@ -146,6 +155,10 @@ class VllmCluster:
                 from kvtier.tools.bench.peer_systems import mooncake_store_transfer_config
                 ktc = mooncake_store_transfer_config()
                 kw["env"] = {**kw["env"], **self.peer_env}
+            elif self.lmcache is not None:  # its engines cannot run in one process
+                ktc = self.lmcache.transfer_config()
+                kw.update(env={**kw["env"], **self.peer_env}, inproc=False,
+                          python=self.lmcache.python)
             else:
                 ktc = None
             e = Engine(model, self.root / f"engine-n{k}.log", kv_transfer_config=ktc,
@@ -195,6 +208,9 @@ class VllmCluster:
             for process in reversed(self.peer_store):  # the client, then its master
                 process.stop()
             self.peer_store = None
+        if self.lmcache is not None:
+            self.lmcache.stop()
+            self.lmcache = None
         if self.master is not None:
             self.master.stop()
             self.master = None
