@@ -112,3 +112,19 @@ def test_a_peer_that_is_not_installed_is_skipped_with_its_reason(tmp_path, monke
     kept = _runnable(configs((1.5,), ("local", "lmcache", "mooncake-store")), ui)
     assert [c.kind for c in kept] == ["kvtier", "mooncake-store", "local"]
     assert said and "lmcache" in said[0] and "make peers" in said[0]
+
+
+@pytest.mark.vllm
+def test_vllm_lmcache_runs_the_same_plan_as_a_baseline(tmp_path):
+    pytest.importorskip("vllm")
+    from kvtier.tools.bench.lmcache_peer import peers_dir, venv_problem
+    problem = venv_problem(peers_dir() / "lmcache")
+    if problem:
+        pytest.skip(problem)
+    report = replay(tmp_path, "--engine", "vllm", "--instances", "2", "--sessions", "3",
+                    "--turns", "3", "--scale", "0.05", "--speed", "4",
+                    "--baselines", "local,lmcache")
+    kv, peer, local = (overall(report, x) for x in ("kvtier", "lmcache", "local"))
+    assert kv["requests"] == peer["requests"] == local["requests"] == 9
+    assert peer["hit_rate"] >= local["hit_rate"] + 10  # its server found the moved turns
+    assert "kvtier hit rate % against lmcache" in {t["what"] for t in report["targets"]}
