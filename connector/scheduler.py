@@ -410,12 +410,8 @@ class SchedulerSide:
         cached = out.scheduled_cached_reqs
         work += [(out.num_scheduled_tokens.get(r, 0), c, r)
                  for r, c in zip(cached.req_ids, cached.num_computed_tokens)]
-        continues = False
-        for n, c, req_id in work:
-            st = self.reqs.get(req_id)
-            if n > 1 and st is not None and c + n < st.request.num_prompt_tokens:
-                continues = True
-                break
+        continues = any(n > 1 and (st := self.reqs.get(req_id)) is not None
+                        and c + n < st.request.num_prompt_tokens for n, c, req_id in work)
         return (RecomputeModel.step_features([(n, c) for n, c, _ in work]),
                 any(n > 1 for n, _, _ in work), continues)
 

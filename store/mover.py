@@ -7,9 +7,11 @@ periodic tick (watermarks, due prefetches). While the engine computes a prefill
 host) every copy the mover makes between a prompt's chunks delays its first token, and a
 job that has waited that long runs whatever the engine does, so a steady stream of
 prefills delays persists by at most that much. It never waits while the tier it copies
-from may drop the blocks first (`PersistRisk`) or its queue is half full. Persists go first: a block saved on this node
-is seen by the others once it reaches the shared tier, and a small pool may drop it before
-then, while a promotion only makes a block that is already safe faster to load. Every copy
+from may drop the blocks first (`PersistRisk`) or its queue is half full.
+
+Persists go first: a block saved on this node is seen by the others once it reaches the
+shared tier, and a small pool may drop it before then, while a promotion only makes a
+block that is already safe faster to load. Every copy
 goes through the `Copier` (`store.copier`): read from the source tier into one aligned arena
 (bounded by `mover.buffer`), written to the destination (whose put is two-phase in the
 index), and only then may the source copy be dropped: a crash at any point leaves each
@@ -177,8 +179,8 @@ class Mover:
         `yield_to_prefill_s`; never while `src` may drop what the job copies from it or the
         queue is half full."""
         limit = queued_at + self.cfg.yield_to_prefill_s
-        if self.risk.at_risk(self.by_name[src]):
-            return
+        if not self._busy or self.risk.at_risk(self.by_name[src]):
+            return  # the risk asks the tier for its usage: only when there is a wait to skip
         with self._cv:
             while self._busy and not self._stop and self._queued <= self.cfg.queue_blocks // 2:
                 left = limit - time.monotonic()

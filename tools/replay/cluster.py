@@ -56,17 +56,16 @@ def configs(dram_fracs: tuple[float, ...], baselines: tuple[str, ...]) -> list[C
     that holds it all hits as kvtier does; with a single size it runs anyway, as the
     comparison asked for), each peer asked for at every size, then local-only once."""
     many = len(dram_fracs) > 1
-    out = []
-    for f in dram_fracs:
-        suffix = f"@{100 * f:g}%" if many else ""
-        out.append(Config("kvtier", f, "kvtier" + suffix))
+
+    def at(kind: str, f: float) -> Config:
+        return Config(kind, f, kind + (f"@{100 * f:g}%" if many else ""))
+
+    out = [at("kvtier", f) for f in dram_fracs]
     if "dram-only" in baselines:
-        out += [Config("dram-only", f, "dram-only" + (f"@{100 * f:g}%" if many else ""))
-                for f in dram_fracs if f < 1 or not many]
+        out += [at("dram-only", f) for f in dram_fracs if f < 1 or not many]
     for peer in PEERS:
         if peer in baselines:
-            out += [Config(peer, f, peer + (f"@{100 * f:g}%" if many else ""))
-                    for f in dram_fracs]
+            out += [at(peer, f) for f in dram_fracs]
     if "local" in baselines:
         out.append(Config("local", None, "local"))
     return out
