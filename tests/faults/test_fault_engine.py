@@ -45,6 +45,9 @@ def node_policy(root, master_address: str) -> dict:
             "index": {"path": str(root / "node" / "index"), "map_size": "64MiB"},
             "master": {"address": master_address, "embedded": False},
             "admission": {"kind": "always"},
+            # the kill point is a persist beside the prefill: by default the mover waits
+            # for the prefill to end, and the engine would answer before the kill
+            "mover": {"yield_to_prefill_s": 0},
             "tiers": [{"name": "dram", "kind": "mooncake", "capacity": "128MiB",
                        "buffer": "32MiB", "staging": "32MiB"},
                       {"name": "nvme", "kind": "nvme", "path": str(root / "node" / "nvme"),
