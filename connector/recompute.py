@@ -74,6 +74,8 @@ class RecomputeModel:
         self._rows: list[tuple[float, float, float]] = []  # (N, A, seconds)
         # size class (log2 N, log2 A) -> its recent (N, A, seconds): the measured bounds
         self._classes: dict[tuple[int, int], deque] = {}
+        # size class -> the median of its recent steps, once it has CLASS_MIN of them
+        self._medians: dict[tuple[int, int], float] = {}
         self._since_fit = 0
         self._fits = 0
         self._lock = threading.Lock()
@@ -94,8 +96,10 @@ class RecomputeModel:
             self._rows.append((tokens, attn, seconds))
             del self._rows[:-WINDOW]
             size = _size_class(tokens, attn)
-            self._classes.setdefault(size, deque(maxlen=CLASS_STEPS)).append(
-                (tokens, attn, seconds))
+            steps = self._classes.setdefault(size, deque(maxlen=CLASS_STEPS))
+            steps.append((tokens, attn, seconds))
+            if len(steps) >= CLASS_MIN:
+                self._medians[size] = statistics.median(s for _, _, s in steps)
             self._since_fit += 1
             every = min(REFIT_EVERY, max(1, len(self._rows) // 8))
             if len(self._rows) >= MIN_STEPS and self._since_fit >= every:
@@ -125,10 +129,22 @@ class RecomputeModel:
     def _measured(self, tokens: float, attn: float) -> tuple[float, float]:
         """What recent steps of no more work than (tokens, attn) took at most, and steps of
         no less work at least: per size class, the median of its steps on that side, once
-        there are `CLASS_MIN` of them (one slow step, a neighbour's burst, sets no bound)."""
+        there are `CLASS_MIN` of them (one slow step, a neighbour's burst, sets no bound).
+
+        It runs on the scheduler's path for every lookup, so a class wholly on one side
+        (smaller or larger in both terms: every step in it is) answers with the median kept
+        since its last step; only the classes that share a term's size class with this
+        prediction are filtered step by step."""
         me_n, me_a = _size_class(tokens, attn)
         low, high = 0.0, math.inf
-        for (cn, ca), steps in self._classes.items():
+        for (cn, ca), median in self._medians.items():
+            if cn < me_n and ca < me_a:
+                low = max(low, median)
+                continue
+            if cn > me_n and ca > me_a:
+                high = min(high, median)
+                continue
+            steps = self._classes[cn, ca]
             if cn <= me_n and ca <= me_a:
                 under = [s for n, a, s in steps if n <= tokens and a <= attn]
                 if len(under) >= CLASS_MIN:

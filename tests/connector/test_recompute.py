@@ -132,3 +132,42 @@ def test_a_prediction_is_never_above_what_the_engine_measured_for_more_work():
         model.observe(*RecomputeModel.step_features([(8192, 0)]), s)
     assert model.predict(4096) <= 0.5
     assert model.predict(8192) <= 0.5
+
+
+def test_the_measured_bounds_are_the_medians_of_every_step_on_each_side():
+    """The bounds kept per size class (the scheduler's fast path) are those of the
+    definition: per class, the median of its recent steps of no more (no less) work."""
+    import math
+    import statistics
+
+    from kvtier.connector.recompute import CLASS_MIN, CLASS_STEPS
+    model = RecomputeModel(prior_tokens_per_s=2000, max_batch_tokens=8192)
+    rng = random.Random(7)
+    steps: dict = {}
+    for _ in range(1500):
+        work = [(rng.choice([1, 3, 16, 64, 256, 1024, 4096, 8192]), rng.randrange(0, 30000))
+                for _ in range(rng.randrange(1, 6))]
+        tokens, attn = RecomputeModel.step_features(work)
+        seconds = rng.uniform(0.001, 0.5)
+        model.observe(tokens, attn, seconds)
+        size = (int(tokens).bit_length(), int(attn).bit_length())
+        steps[size] = (steps.get(size, []) + [(tokens, attn, seconds)])[-CLASS_STEPS:]
+
+    def by_definition(tokens, attn):
+        low, high = 0.0, math.inf
+        for kept in steps.values():
+            under = [s for n, a, s in kept if n <= tokens and a <= attn]
+            over = [s for n, a, s in kept if n >= tokens and a >= attn]
+            if len(under) >= CLASS_MIN:
+                low = max(low, statistics.median(under))
+            if len(over) >= CLASS_MIN:
+                high = min(high, statistics.median(over))
+        return low, high
+
+    probes = [(n, n * (c + n / 2)) for n in (1, 16, 300, 1024, 4096, 8192)
+              for c in (0, 100, 5000, 29000)]
+    bounded = 0
+    for tokens, attn in probes:
+        assert model._measured(tokens, attn) == by_definition(tokens, attn)
+        bounded += by_definition(tokens, attn) != (0.0, math.inf)
+    assert bounded >= len(probes) // 2  # the probes do meet measured classes
