@@ -40,8 +40,10 @@ is about its chunks. Each other group stores and loads the same chunks under its
 window of a hit's last token reaches: a hit of `h` chunks is promised only when that group
 holds the chunks over the `window` tokens before `h * chunk_tokens` (else only vLLM's local
 hit is used), it loads only those, and it saves only the chunks of a request that such a
-window can reach at the end of its prompt or later (where the next turn's hit ends), from
-blocks vLLM still holds. Loads are then asynchronous only (vLLM takes load failures of such
+window can reach at the end of its prompt or later (where the next turn's hit ends) or
+from an end where its lookup found the full group's chunks but no window (a fork from the
+middle of an earlier prompt: the next prompt forking there hits), from blocks vLLM still
+holds. Loads are then asynchronous only (vLLM takes load failures of such
 engines per request, not per block): a load that falls short in any group recomputes the
 request.
 """
@@ -113,6 +115,7 @@ class _Req:
     deadlines_ms: list[float] = field(default_factory=list)  # of its loads, as planned
     load_failed: bool = False    # a load fell short: recompute, do not promise again
     looked_up: list[str] = field(default_factory=list)  # the keys of the last lookup
+    window_ends: set[int] = field(default_factory=set)  # hit ends a lookup found no window at
     saved_chunks: int = 0
     loads: dict[str, int] = field(default_factory=lambda: {"async": 0, "sync": 0})
     scheduled: bool = False      # its blocks hold computed (or loaded) KV
@@ -198,7 +201,7 @@ class SchedulerSide:
         self.stats.add("lookups")
         self.stats.add("lookup_tokens", max(0, limit * self.chunk - num_computed))
         hits, deadline = self._plan(st, found, first)
-        hits = self._others_hold(keys, first, hits)
+        hits = self._others_hold(st, keys, first, hits)
         external = hits * self.chunk - num_computed
         if hits <= first or external <= 0:
             st.plan = None
@@ -236,9 +239,14 @@ class SchedulerSide:
             return first
         return max(first, max(0, hits * self.chunk - shape.window) // self.chunk)
 
-    def _others_hold(self, keys: list[str], first: int, hits: int) -> int:
+    def _others_hold(self, st: _Req, keys: list[str], first: int, hits: int) -> int:
         """`hits`, cut to what the other groups hold: every chunk of a full group's part of
-        the hit, a sliding-window group's window before the hit's end (or no hit at all)."""
+        the hit, a sliding-window group's window before the hit's end (or no hit at all).
+
+        A missing window is where this prompt forks from one stored before (after a shared
+        system prompt, a sub-agent's task, an edited turn): the request then saves the
+        window before that end as it computes it, so the next prompt that forks there
+        hits."""
         for shape, fp in self.others:
             if hits <= first:
                 break
@@ -249,7 +257,10 @@ class SchedulerSide:
                 log.warning("kvtier: lookup of KV cache group %d failed: %s", shape.group, e)
                 return first
             if lo + have < hits:
-                hits = first if shape.windowed else lo + have
+                if shape.windowed:
+                    st.window_ends.add(hits)
+                    return first
+                hits = lo + have
         return hits
 
     def _load_sync(self, st: _Req) -> bool:
@@ -454,11 +465,14 @@ class SchedulerSide:
     def _group_save(self, st: _Req, shape: Any, fp: str, ids: list[int], start: int,
                     done: int) -> None:
         """Save another group's part of chunks [start, done): of a sliding-window group only
-        the chunks a window can reach from the end of the prompt on, and only while vLLM
-        still holds their blocks."""
+        the chunks a window can reach from the end of the prompt on or from an end where a
+        lookup found the window missing (`_others_hold`), and only while vLLM still holds
+        their blocks."""
         reach = st.request.num_prompt_tokens - self.chunk - shape.window
+        ends = [(self._span(shape, 0, e), e) for e in st.window_ends]
         chunks = [c for c in range(start, min(done, len(ids) // self.m))
-                  if not shape.windowed or (c + 1) * self.chunk > reach]
+                  if not shape.windowed or (c + 1) * self.chunk > reach
+                  or any(lo <= c < e for lo, e in ends)]
         kept = [(c, row) for c, row in zip(chunks, self._rows(ids, chunks))
                 if NULL_BLOCK not in row]
         if kept:

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    cluster, BLOCK_SIZE, CHUNK, chunk_keys, tiny_engines, random_prompt)
+    cluster, BLOCK_SIZE, CHUNK, chunk_keys, tiny_engines, random_prompt, wait_for)
 from kvtier.connector.naming import rank_keys  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -74,3 +74,28 @@ def test_a_sliding_window_model_hits_from_the_pool_on_another_instance(engines, 
     assert n_full == len(keys) == LONG // CHUNK
     assert n_swa == sum((c + 1) * CHUNK > reach for c in range(len(keys)))
     assert n_swa <= 4
+
+
+def test_prompts_forking_after_a_shared_prefix_hit_from_the_second_fork_on(engines, cluster):
+    """Sessions that share a long system prompt and then differ: the first fork finds the
+    full layer's chunks but no window at the fork and recomputes, storing that window; the
+    next fork, on an engine that never saw the prefix, loads it, token-identical."""
+    shared = random_prompt(2, 2000)
+    first = shared + random_prompt(3, 600)
+    a = node(engines, cluster, "a")
+    a.generate([first], TOKENS)
+    b = node(engines, cluster, "b")
+    b.reset_prefix_cache()
+    fork, _ = b.generate([shared + random_prompt(4, 600)], TOKENS)
+    assert fork[0].kv_transfer_params["kvtier"]["hit_tokens"] == {}
+    end = len(shared) // CHUNK  # the last chunk all three prompts share
+    keys = chunk_keys(shared, cluster.policy("b", namespace={"model": MODEL}), "swa")
+    window = rank_keys(keys[(end * CHUNK - 127) // CHUNK:end],
+                       group_namespaces(b.log_path.read_text(errors="replace"))["swa"])
+    wait_for(lambda: stored(cluster, window) == len(window), 60, "the fork's window saved")
+    a.reset_prefix_cache()
+    prompt = shared + random_prompt(5, 600)
+    hit, _ = a.generate([prompt], TOKENS)
+    hits = hit[0].kv_transfer_params["kvtier"]["hit_tokens"]
+    assert hits == {"dram": end * CHUNK}, hits
+    assert hit[0].token_ids == engines.baseline(prompt, TOKENS).token_ids

@@ -4,9 +4,10 @@ block ids over one shared KV memory. Driven step by step without an engine (real
 real paged cache in vLLM's CPU layout), as `test_sides` does for one group.
 
 What must hold: the full group stores every chunk and the sliding-window group only the
-chunks a window can reach from the end of the prompt on; a hit is promised only where the
-window before its end is stored, and loads only that window into that group; a load that
-falls short in any group recomputes the request (`failed_recving`), never block ids.
+chunks a window can reach from the end of the prompt on (and from where a lookup found
+another prompt's chunks but no window: a fork); a hit is promised only where the window
+before its end is stored, and loads only that window into that group; a load that falls
+short in any group recomputes the request (`failed_recving`), never block ids.
 """
 
 from __future__ import annotations
@@ -206,3 +207,35 @@ def test_a_window_chunk_lost_before_its_load_recomputes_the_request(sides):
     _, params = sides.sched.request_finished(r, (swa_b, full_b))
     assert params["kvtier"]["hit_tokens"] == {}
     assert params["kvtier"]["recomputed_tokens"] == 10 * CHUNK
+
+
+def test_a_fork_from_the_middle_of_a_stored_prompt_stores_its_window_for_the_next(sides):
+    """A prompt that shares only the first 5 chunks of a stored one (a shared system prompt,
+    a sub-agent's task) finds no window there and recomputes; it saves the window before
+    that end as it computes it, so the next prompt forking there hits."""
+    tokens = random_prompt(4, 10 * CHUNK + 1)
+    nb = 10 * M + 1
+    full_a = list(range(1, 1 + nb))
+    save(sides, "a", tokens, full_a, list(range(30, 30 + nb)))
+    shared = tokens[:5 * CHUNK]
+    full_b, swa_b = list(range(60, 60 + nb)), list(range(90, 90 + nb))
+    meta = save(sides, "b", shared + random_prompt(5, 5 * CHUNK + 1), full_b, swa_b)
+    swa_saved = next(j for j in meta.saves if j.group == SWA)
+    # its own prompt end's window (chunks 7..9) and the window before the fork (chunks 3, 4)
+    assert swa_saved.block_ids == [swa_b[c * M:(c + 1) * M] for c in (3, 4, 7, 8, 9)]
+
+    r = request("c", shared + random_prompt(6, 5 * CHUNK + 1))
+    n, is_async = sides.sched.get_num_new_matched_tokens(r, 0)
+    assert (n, is_async) == (5 * CHUNK, True)
+    full_c, swa_c = list(range(120, 120 + nb)), window_ids(nb, 5 * CHUNK, 160)
+    sides.sched.update_state_after_alloc(
+        r, SimpleNamespace(get_block_ids=lambda: (swa_c, full_c)), n)
+    meta = step(sides.sched)
+    jobs = {j.group: j for j in meta.loads}
+    assert len(jobs[FULL].keys) == 5
+    assert jobs[SWA].block_ids == [swa_c[6:8], swa_c[8:10]]
+    res = settle(sides, meta, "c")
+    assert res.failed_recving == set()
+    # the window came from b, which computed it; the full chunks are a's (stored first)
+    assert torch.equal(blocks(sides.cache, swa_b[6:10]), blocks(sides.cache, swa_c[6:10]))
+    assert torch.equal(blocks(sides.cache, full_a[:10]), blocks(sides.cache, full_c[:10]))
