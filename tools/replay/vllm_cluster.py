@@ -10,9 +10,8 @@ connector with its node's policy (own index and nvme dir, one shared dir). It wa
 engine up with one short prompt nobody else sends, and gives one backend per instance for
 `tools.replay.live`, which submits each request on its own (the engines batch continuously;
 baseline and kvtier configurations take the same path). A peer's configuration
-(`mooncake-store`) starts what its connector joins instead: a master and a
-`mooncake_client` lending the whole pool (`tools.bench.peer_systems`), and the engines with
-that connector. `close()` stops the engines (the
+(`mooncake-store`, `lmcache`) starts the pool its connector joins instead
+(`tools.replay.peer_pool`), and the engines with that connector. `close()` stops the engines (the
 connector finishes queued saves) and then the master; `held()` reads, afterwards, what each
 node's index holds per tier.
 
@@ -27,7 +26,9 @@ from pathlib import Path
 
 from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
-from kvtier.tools.replay.cluster import Config, ReplayError, Sizing, node_policy, pool_split
+from kvtier.tools.replay.cluster import (PEERS, Config, ReplayError, Sizing, node_policy,
+                                         pool_split)
+from kvtier.tools.replay.peer_pool import start_peer_pool
 from kvtier.tools.replay.plan import VOCAB, Plan
 from kvtier.tools.threads import in_threads
 from kvtier.tools.vllm_engine import Completion, Engine, EngineError, kvtier_transfer_config
@@ -61,13 +62,12 @@ class VllmCluster:
     def __init__(self, root: Path, cfg: Config, n: int, model: Path, sizing: Sizing, *,
                  chunk_tokens: int, block_size: int, num_blocks: int, max_model_len: int,
                  dtype: str, eviction: str, admission: str, engines_alongside: int = 1,
-                 pool: str = "service", inproc: bool = True, hosts: int = 1, say=print):
+                 pool: str = "service", inproc: bool = True, hosts: int = 1,
+                 shared_fs: str = "dir", say=print):
         self.root, self.cfg, self.n = root, cfg, n
         self.master: EmbeddedMaster | None = None
         self.service = None
-        self.peer_store = None  # a peer's (master, mooncake_client)
-        self.peer_env: dict[str, str] = {}
-        self.lmcache = None  # the lmcache peer's server
+        self.peer = None  # the pool a peer's engines join (`tools.replay.peer_pool`)
         self.hosts = None  # a HostCluster: engine k on host k % hosts, the master on one more
         self.engines: list[Engine | None] = [None] * n
         self.policies: list[dict | None] = [None] * n
@@ -78,25 +78,15 @@ class VllmCluster:
                 raise ReplayError("--hosts with --pool service: a pool service serves the "
                                   "engines of its own host only; use --pool embedded")
             from kvtier.tools.hosts.cluster import HostCluster
-            self.hosts = HostCluster.for_engines(hosts, root / "hosts")
+            self.hosts = HostCluster.for_engines(hosts, root / "hosts", shared_fs)
             address = self.hosts.master_address
             self.policies = [node_policy(root, f"n{k}", address, cfg, sizing, chunk_tokens,
-                                         eviction, admission, count_hosts=True)
+                                         eviction, admission, count_hosts=True,
+                                         shared=self.hosts.shared_of(k % hosts))
                              for k in range(n)]
             self.prefixes = [self.hosts.hosts.command(k % hosts, []) for k in range(n)]
-        elif cfg.kind == "mooncake-store":
-            from kvtier.tools.bench.peer_systems import start_standalone_store
-            master, client, self.peer_env = start_standalone_store(
-                root, sizing.segment_bytes(cfg.dram_frac) * n)
-            self.peer_store = (master, client)
-        elif cfg.kind == "lmcache":
-            from kvtier.tools.bench.lmcache_peer import QUIET_ENV, LMCacheServer
-            from kvtier.tools.bench.peer_systems import PeerUnavailable
-            try:
-                self.lmcache = LMCacheServer(root, sizing.segment_bytes(cfg.dram_frac) * n / 1e9)
-            except PeerUnavailable as e:
-                raise ReplayError(f"--baselines lmcache: {e}") from e
-            self.peer_env = dict(QUIET_ENV)
+        elif cfg.kind in PEERS:
+            self.peer = start_peer_pool(cfg.kind, root, sizing.segment_bytes(cfg.dram_frac) * n)
         elif cfg.uses_store:
             mcfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
             self.master = EmbeddedMaster(mcfg, log_path=root / "master.log").start()
@@ -151,14 +141,8 @@ class VllmCluster:
             if self.policies[k]:
                 ktc = kvtier_transfer_config(self.policies[k], node_id=f"n{k}",
                                              staging_buffer="16MiB")
-            elif self.peer_store is not None:
-                from kvtier.tools.bench.peer_systems import mooncake_store_transfer_config
-                ktc = mooncake_store_transfer_config()
-                kw["env"] = {**kw["env"], **self.peer_env}
-            elif self.lmcache is not None:  # its engines cannot run in one process
-                ktc = self.lmcache.transfer_config()
-                kw.update(env={**kw["env"], **self.peer_env}, inproc=False,
-                          python=self.lmcache.python)
+            elif self.peer is not None:
+                ktc = self.peer.engine(kw)
             else:
                 ktc = None
             e = Engine(model, self.root / f"engine-n{k}.log", kv_transfer_config=ktc,
@@ -204,13 +188,9 @@ class VllmCluster:
         if self.service is not None:
             self.service.stop()
             self.service = None
-        if self.peer_store is not None:
-            for process in reversed(self.peer_store):  # the client, then its master
-                process.stop()
-            self.peer_store = None
-        if self.lmcache is not None:
-            self.lmcache.stop()
-            self.lmcache = None
+        if self.peer is not None:
+            self.peer.stop()
+            self.peer = None
         if self.master is not None:
             self.master.stop()
             self.master = None

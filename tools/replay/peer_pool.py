@@ -1,0 +1,64 @@
+"""What a peer's engines join in `kvtier replay --baselines mooncake-store,lmcache`.
+
+`start_peer_pool(kind, root, pool_bytes)` starts, on the calling thread, the shared pool a
+peer connector's engines use, sized like kvtier's: for `mooncake-store` a master and a
+`mooncake_client` lending the pool (`tools.bench.peer_systems`), for `lmcache` an
+`lmcache server` with an L1 of that size (`tools.bench.lmcache_peer`). The returned object
+says how to start one engine on it (`engine(kw)`) and stops what it started (`stop()`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtier.tools.replay.cluster import ReplayError
+
+
+class MooncakeStorePool:
+    """A master and a `mooncake_client` lending the pool; engines in `standalone-store`
+    mode, each with a lookup port of its own."""
+
+    def __init__(self, root: Path, pool_bytes: int):
+        from kvtier.tools.bench.peer_systems import start_standalone_store
+        self.master, self.client, self.env = start_standalone_store(root, pool_bytes)
+
+    def engine(self, kw: dict) -> dict:
+        """Update one engine's keyword arguments in place; return its transfer config."""
+        from kvtier.tools.bench.peer_systems import mooncake_store_transfer_config
+        kw["env"] = {**kw["env"], **self.env}
+        return mooncake_store_transfer_config()
+
+    def stop(self) -> None:
+        self.client.stop()  # before its master, which it reports to
+        self.master.stop()
+
+
+class LMCachePool:
+    """An `lmcache server` with an L1 of the pool's size; its engines are vLLM
+    multi-process engines running the peers' venv python (they cannot run in one
+    process)."""
+
+    def __init__(self, root: Path, pool_bytes: int):
+        from kvtier.tools.bench.lmcache_peer import QUIET_ENV, LMCacheServer
+        from kvtier.tools.bench.peer_systems import PeerUnavailable
+        try:
+            self.server = LMCacheServer(root, pool_bytes / 1e9)
+        except PeerUnavailable as e:
+            raise ReplayError(f"--baselines lmcache: {e}") from e
+        self.env = dict(QUIET_ENV)
+
+    def engine(self, kw: dict) -> dict:
+        """Update one engine's keyword arguments in place; return its transfer config."""
+        kw.update(env={**kw["env"], **self.env}, inproc=False, python=self.server.python)
+        return self.server.transfer_config()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+POOLS = {"mooncake-store": MooncakeStorePool, "lmcache": LMCachePool}
+
+
+def start_peer_pool(kind: str, root: Path, pool_bytes: int):
+    """Start the pool `kind`'s engines join, holding `pool_bytes`."""
+    return POOLS[kind](root, pool_bytes)
