@@ -195,3 +195,25 @@ def test_full_node_evicts_only_its_own_oldest_files(spec):
     finally:
         close(mine)
         close(other)
+
+
+def test_a_filesystem_gone_makes_the_tier_unavailable_not_a_crash(tier, monkeypatch):
+    """A network mount whose client or servers went away answers ENOTCONN (seen with a
+    GlusterFS host killed): the tier says it is unavailable, in one line with the fix, and
+    answers again once the filesystem does. (Mocked: the errno of a dead FUSE mount.)"""
+    import errno
+
+    from kvtier.store.base.errors import TierUnavailableError
+    from kvtier.tiers.sharedfs import files
+    keys = keys_for(900, 2)
+    put(tier, keys)
+    real = files.is_file
+
+    def not_connected(path):
+        raise OSError(errno.ENOTCONN, os.strerror(errno.ENOTCONN), str(path))
+    monkeypatch.setattr(files, "is_file", not_connected)
+    for call in (lambda: tier.contains(keys), lambda: put(tier, keys_for(910, 1))):
+        with pytest.raises(TierUnavailableError, match="not reachable .*check its mount"):
+            call()
+    monkeypatch.setattr(files, "is_file", real)
+    assert tier.contains(keys) == [True, True]

@@ -24,6 +24,7 @@ Every read verifies the frame; a corrupt file (or a symlink in its place) is cou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -35,7 +36,8 @@ from typing import Sequence
 
 from kvtier.store.base import block
 from kvtier.store.base.config import SharedFSTierConfig
-from kvtier.store.base.errors import ConfigError, CorruptBlockError, TierError
+from kvtier.store.base.errors import (ConfigError, CorruptBlockError, TierError,
+                                     TierUnavailableError)
 from kvtier.store.base.index_record import PENDING, READY, Entry, owner_alive
 from kvtier.tiers.base import TierContext
 from kvtier.tiers.base import MISS, Tier, full_error
@@ -49,6 +51,11 @@ from kvtier.tiers.sharedfs.fifo import AgeQueue, created_ns
 log = logging.getLogger(__name__)
 IO_THREADS = 16  # concurrent file operations per batch: enough to hide NFS round trips
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# The filesystem itself is gone (a network mount whose servers or link went away, a FUSE
+# client killed): the tier is unavailable for now, its blocks are not missing.
+_GONE_ERRNOS = frozenset({errno.ENOTCONN, errno.ESTALE, errno.EIO, errno.EHOSTDOWN,
+                          errno.EHOSTUNREACH, errno.ETIMEDOUT, errno.ECONNREFUSED,
+                          errno.ECONNABORTED, errno.ECONNRESET, errno.ENODEV})
 
 
 def _aiofiles():
@@ -82,13 +89,15 @@ class SharedFSTier(Tier):
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
-        return [files.is_file(files.block_path(self.root, k)) for k in keys]
+        with self._reachable():
+            return [files.is_file(files.block_path(self.root, k)) for k in keys]
 
     def put(self, keys: Sequence[str], frames: Sequence[memoryview]) -> list[bool]:
         self._check_open()
         headers = [checked_header(k, f) for k, f in zip(keys, frames)]
         results = [False] * len(keys)
-        todo, dups = self._to_write(keys, results)
+        with self._reachable():
+            todo, dups = self._to_write(keys, results)
         fit, need = [], 0
         for i in todo:  # a batch larger than the whole capacity stores what fits
             if need + headers[i].frame_len > self.capacity_bytes:
@@ -96,7 +105,8 @@ class SharedFSTier(Tier):
             fit.append(i)
             need += headers[i].frame_len
         if fit:
-            self._make_room(need)
+            with self._reachable():
+                self._make_room(need)
         enospc = self._write(keys, frames, headers, fit, results) if fit else False
         for dup, first in dups.items():
             results[dup] = results[first]
@@ -133,12 +143,27 @@ class SharedFSTier(Tier):
         """Remove the blocks' files (whichever node wrote them) and this node's entries."""
         self._check_open()
         self._ages.remove(self.index.delete(self.name, keys))
-        removed = sum(files.unlink_block(files.block_path(self.root, k)) for k in keys)
+        with self._reachable():
+            removed = sum(files.unlink_block(files.block_path(self.root, k)) for k in keys)
         self.stats.add(deletes=removed)
         return removed
 
     def used_bytes(self) -> int:
         return self.index.tier_usage(self.name)[1]
+
+    @contextlib.contextmanager
+    def _reachable(self):
+        """Raise `TierUnavailableError` (one line, the cause and the fix) where the
+        filesystem under the root is gone, instead of the OSError of the first file."""
+        try:
+            yield
+        except OSError as e:
+            if e.errno not in _GONE_ERRNOS:
+                raise
+            raise TierUnavailableError(
+                f"sharedfs tier {self.name!r}: the filesystem under {self.root} is not "
+                f"reachable ({e.strerror}); check its mount and the network to its "
+                "servers (its blocks are skipped until it answers)") from e
 
     def close(self) -> None:
         if self._closed:
@@ -153,11 +178,12 @@ class SharedFSTier(Tier):
         """(files, bytes) under the root from every node; with `prune`, drop this node's
         index entries whose files are gone (deleted or evicted by another node)."""
         self._check_open()
-        total = files.scan(self.root)
-        if prune:
-            mine = [e.key for e in self.index.scan(self.name, states=(READY,))]
-            self._forget_keys([k for k in mine
-                               if not files.is_file(files.block_path(self.root, k))])
+        with self._reachable():
+            total = files.scan(self.root)
+            if prune:
+                mine = [e.key for e in self.index.scan(self.name, states=(READY,))]
+                self._forget_keys([k for k in mine
+                                   if not files.is_file(files.block_path(self.root, k))])
         return total
 
     def check(self, progress=None):
