@@ -189,12 +189,18 @@ def test_a_host_cut_off_from_the_master_serves_from_its_own_tiers_without_waitin
 
 
 def test_blocks_persisted_on_one_host_read_on_another_over_glusterfs(tmp_path):
+    """A GlusterFS volume as it is deployed: a brick on every host, each host its own mount
+    (its FUSE client in its own namespace). What one host persists, another reads over the
+    bridge, every brick holds a replica, and with the writer's host cut off the reader still
+    reads every block from the bricks left."""
     from kvtier.tools.hosts import glusterfs
-    why_not = glusterfs.unavailable()
+    why_not = glusterfs.unavailable(hosts=True)
     if why_not:
         pytest.skip(why_not)
-    with glusterfs.GlusterVolume(tmp_path / "gluster") as vol, \
-            HostCluster(3, tmp_path / "c", shared=vol.mnt / "shared") as c:
+    with HostCluster(3, tmp_path / "c") as c, \
+            glusterfs.GlusterVolume(tmp_path / "gluster", c.hosts) as vol:
+        assert len(set(vol.mounts)) == 3 and all(os.path.ismount(m) for m in vol.mounts)
+        c.use_shared([m / "shared" for m in vol.mounts])
         c.start_master(0)
         writer = HostNode(c, 1, "w1", c.write_policy(1, "w1.yaml"))
         reader = HostNode(c, 2, "r2", c.write_policy(2, "r2.yaml", tiers=("shared",)))
@@ -204,12 +210,28 @@ def test_blocks_persisted_on_one_host_read_on_another_over_glusterfs(tmp_path):
             got = reader.call("load", seed=11, n=8, size=SIZE, deadline_s=10)
             assert got == {**got, "hits": 8, "loaded": 8, "wrong": 0}, got
             assert got["tiers"] == ["shared"]
-            files = [p for p in (vol.brick / "shared").rglob("*") if p.is_file()]
-            assert len([p for p in files if p.suffix == ".kvb"]) >= 8  # on the brick
+            for brick in vol.bricks:  # replicated on every host
+                files = [p for p in (brick / "shared").rglob("*.kvb") if p.is_file()]
+                assert len(files) >= 8, brick
+            c.hosts.cut(1)
+            try:
+                got = reader.call("load", seed=11, n=8, size=SIZE, deadline_s=30)
+                assert got == {**got, "hits": 8, "loaded": 8, "wrong": 0}, got
+            finally:
+                c.hosts.restore(1)
         finally:
             writer.close()
             reader.close()
-    assert not os.path.ismount(vol.mnt)
+    assert not any(os.path.ismount(m) for m in vol.mounts)
+    assert not [p for p in Path("/proc").iterdir() if p.name.isdigit()
+                and str(tmp_path / "gluster") in _cmdline(p)]
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 @pytest.mark.slow
@@ -236,3 +258,38 @@ def test_a_short_soak_across_hosts_cuts_links_and_kills_hosts_and_serves_nothing
     # the pool served again after the host's instances came back
     assert rep["by_fault"]["host-kill"]["recovery_s"] or \
         rep["by_fault"]["host-kill"]["unrecovered_s"] == []
+
+
+def test_a_short_soak_with_the_shared_filesystem_on_glusterfs_serves_nothing_wrong(tmp_path):
+    """The soak across two hosts with the sharedfs tier on a GlusterFS volume that has a
+    brick and a mount on every host: a host's link cut (its mount loses the other bricks),
+    a host killed (its brick and mount with it, brought back with its instances) and a
+    corrupted block file on the volume; nothing wrong is served, no request fails."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvtier.tools.cli import app
+    from kvtier.tools.hosts import glusterfs
+    why_not = glusterfs.unavailable(hosts=True)
+    if why_not:
+        pytest.skip(why_not)
+    js = tmp_path / "soak.json"
+    res = CliRunner().invoke(app, [
+        "replay", "--engine", "sim", "--soak", "0.75", "--fault-every", "10",
+        "--hosts", "2", "--shared-fs", "glusterfs", "--instances", "2", "--sessions", "4",
+        "--turns", "5", "--scale", "0.05", "--faults", "link-cut,host-kill,corrupt-file",
+        "--out", str(tmp_path / "out"), "--json", str(js)], catch_exceptions=False)
+    rep = json.loads(js.read_text())
+    assert res.exit_code == 0, res.output[-3000:]
+    assert rep["wrong_blocks"] == 0 and rep["requests"]["failed"] == 0, rep["why_not"]
+    assert rep["check"]["clean"], rep["check"]
+    for kind in ("link-cut", "host-kill", "corrupt-file"):
+        assert rep["by_fault"][kind]["injected"] >= 1, kind
+    volume = tmp_path / "out" / "work" / "soak" / "hosts" / "glusterfs"
+    bricks = sorted(volume.glob("h*/brick"))
+    assert len(bricks) == 3  # a brick on each host and the master's
+    for brick in bricks:  # the shared tier's files, replicated on every brick
+        assert any((brick / "shared").rglob("*.kvb")), brick
+    assert not [p for p in Path("/proc").iterdir() if p.name.isdigit()
+                and str(volume) in _cmdline(p)]

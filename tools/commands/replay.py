@@ -170,6 +170,9 @@ def replay(
     hosts: int = typer.Option(1, min=1, help="engines: spread the instances round-robin over "
                               "this many hosts (network namespaces on this machine, a master "
                               "on one more; needs root)"),
+    shared_fs: str = typer.Option("dir", help="with --hosts: the shared filesystem, one "
+                                  "directory of this machine (dir) or a GlusterFS volume "
+                                  "with a brick and a mount on every host (glusterfs)"),
     soak: Optional[float] = typer.Option(None, min=0.0, help="sim: soak for this many "
                                          "minutes of wall time under faults (kvtier only)"),
     fault_every: float = typer.Option(60.0, min=0.1, help="soak: seconds between faults"),
@@ -192,7 +195,7 @@ def replay(
             speed=speed, dram=_floats(dram, "--dram"), baselines=(), kv_ratio=kv_ratio,
             kv_tokens=kv_tokens, max_output=max_output, max_context=max_context, dtype=dtype,
             eviction=eviction, admission=admission, seed=seed, traces=traces, out=out,
-            calibration=calibration, hosts=hosts))
+            calibration=calibration, hosts=hosts, shared_fs=shared_fs))
     if engine is not None:
         ce.run_and_show(ce.EngineSpec(
             engine=engine, workload=_one_workload(workload),
@@ -204,7 +207,7 @@ def replay(
             max_context=max_context, max_batch=max_batch, side_by_side=side_by_side,
             pool=pool, multiproc=multiproc, dtype=dtype, eviction=eviction,
             admission=admission, seed=seed, traces=traces, out=out,
-            calibration=calibration, hosts=hosts), json_out, plots)
+            calibration=calibration, hosts=hosts, shared_fs=shared_fs), json_out, plots)
         return
     if not simulate:
         raise ReplayError("choose a mode: --simulate (policy-only), --engine vllm|sim, or "

@@ -42,29 +42,65 @@ class HostCluster:
 
     def __init__(self, k: int, root: Path, dram: str = "64MiB", shared: Path | None = None):
         """`shared`: the directory every host's sharedfs tier uses (default `root/shared`;
-        a network filesystem's mount, `tools.hosts.glusterfs`)."""
+        a network filesystem's mount, `tools.hosts.glusterfs`); `use_shared` gives each
+        host its own mount of one."""
         self.root = Path(root)
         self.dram = dram
         self.hosts = Hosts(k)
         self.shared = Path(shared) if shared is not None else self.root / "shared"
         self.shared.mkdir(parents=True, exist_ok=True)
+        self.shared_dirs = [self.shared] * k
+        self.volume = None  # with `mount_glusterfs`: the GlusterVolume across the hosts
         self.master_host: int | None = None
         self.master: subprocess.Popen | None = None
         self.etcd: str | None = None  # with `start_ha`: the etcd endpoint every policy names
         self.masters: dict[int, subprocess.Popen] = {}  # HA masters by host
 
     @classmethod
-    def for_engines(cls, engine_hosts: int, root: Path) -> "HostCluster":
+    def for_engines(cls, engine_hosts: int, root: Path, shared_fs: str = "dir"
+                    ) -> "HostCluster":
         """`engine_hosts` hosts for a replay's engines and one more running the master,
-        torn down on SIGTERM/SIGINT too (what `replay --hosts` makes)."""
+        torn down on SIGTERM/SIGINT too (what `replay --hosts` makes); `shared_fs`
+        `glusterfs`: the shared filesystem on GlusterFS (`mount_glusterfs`)."""
         cluster = cls(engine_hosts + 1, root)
         try:
             cluster.hosts.on_signals()
+            if shared_fs == "glusterfs":
+                cluster.mount_glusterfs()
             cluster.start_master(engine_hosts)
         except BaseException:
             cluster.close()
             raise
         return cluster
+
+    def shared_of(self, i: int) -> Path | None:
+        """Host i's own mount of the network filesystem (with `mount_glusterfs`), else None
+        (every host uses the one directory)."""
+        return self.shared_dirs[i] if self.volume is not None else None
+
+    def use_shared(self, dirs: list[Path]) -> None:
+        """Host i's sharedfs tier uses `dirs[i]`: each host's own mount of one network
+        filesystem (`GlusterVolume(root, cluster.hosts).mounts`, a subdirectory of each)."""
+        if len(dirs) != self.k:
+            raise HostsError(f"use_shared wants a directory per host ({self.k}), got {len(dirs)}")
+        self.shared_dirs = [Path(d) for d in dirs]
+        for d in self.shared_dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        self.shared = self.shared_dirs[0]
+
+    def mount_glusterfs(self) -> None:
+        """Put the shared filesystem on GlusterFS, as deployed: a brick on every host and
+        each host's own mount (`tools.hosts.glusterfs`); its sharedfs tier uses
+        `shared_dirs[i]` there. Raises `HostsError` (one line) where GlusterFS cannot run."""
+        from kvtier.tools.hosts.glusterfs import GlusterVolume
+        self.volume = GlusterVolume(self.root / "glusterfs", self.hosts)
+        self.use_shared([m / "shared" for m in self.volume.mounts])
+
+    def host_restarted(self, i: int) -> None:
+        """Every process of host i was killed: bring back what the cluster runs there
+        besides kvtier (its GlusterFS daemon, brick and mount)."""
+        if self.volume is not None:
+            self.volume.restart(i)
 
     @property
     def k(self) -> int:
@@ -90,7 +126,8 @@ class HostCluster:
                      "buffer": "16MiB", "staging": "16MiB", **dram},
             "nvme": {"name": "nvme", "kind": "nvme", "path": str(home / "nvme"),
                      "capacity": "256MiB", "region_size": "4MiB"},
-            "shared": {"name": "shared", "kind": "sharedfs", "path": str(self.shared),
+            "shared": {"name": "shared", "kind": "sharedfs",
+                       "path": str(self.shared_dirs[i]),
                        "capacity": "1GiB"},
         }
         return {"chunk_tokens": 256,
@@ -184,6 +221,9 @@ class HostCluster:
 
     def close(self) -> None:
         """Stop everything on every host and delete the hosts (always safe to call)."""
+        if self.volume is not None:  # its mounts go before the clients behind them
+            self.volume.close()
+            self.volume = None
         self.hosts.close()
         for proc in [self.master, *self.masters.values()]:
             if proc is not None:

@@ -100,9 +100,11 @@ class Sizing:
 def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
                 chunk_tokens: int, eviction: str, admission: str,
                 tiers_root: Path | None = None, service: str | None = None,
-                count_hosts: bool = False, etcd: str | None = None) -> dict:
+                count_hosts: bool = False, etcd: str | None = None,
+                shared: Path | None = None) -> dict:
     """The inline policy of one instance (`node`) of configuration `cfg`; its index lives
-    under `root`, its nvme dir and the shared dir under `tiers_root` (default `root`).
+    under `root`, its nvme dir and the shared dir under `tiers_root` (default `root`; the
+    shared dir at `shared` where given: its host's mount of a network filesystem).
     `service`: the instances join the pool service there (one segment holding the whole
     pool, shared memory), instead of each lending its share."""
     ws = sizing.working_set_bytes
@@ -120,7 +122,8 @@ def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
         tiers += [{"name": "nvme", "kind": "nvme", "path": str(disk / node / "nvme"),
                    "capacity": max(64 << 20, _round_up(2 * ws, 4 << 20)),
                    "region_size": "4MiB"},
-                  {"name": "shared", "kind": "sharedfs", "path": str(disk / "shared"),
+                  {"name": "shared", "kind": "sharedfs",
+                   "path": str(shared or disk / "shared"),
                    "capacity": max(64 << 20, 2 * ws)}]
     return {"namespace": {"model": MODEL_NAME}, "chunk_tokens": chunk_tokens,
             "index": {"path": str(root / node / "index"), "map_size": "64MiB"},

@@ -65,6 +65,7 @@ class EngineSpec:
     out: Path = Path("replay-out")
     calibration: Path | None = None
     hosts: int = 1                  # instances spread round-robin over this many hosts
+    shared_fs: str = "dir"          # with hosts: the sharedfs tier on one dir | on GlusterFS
 
     def check(self) -> None:
         if self.engine not in ENGINES:
@@ -97,6 +98,14 @@ class EngineSpec:
             raise ReplayError("--instances, --scale and --speed must be positive")
         if self.hosts < 1:
             raise ReplayError(f"--hosts must be at least 1, got {self.hosts}")
+        if self.shared_fs not in ("dir", "glusterfs"):
+            raise ReplayError(f"--shared-fs: expected dir or glusterfs, got {self.shared_fs!r}")
+        if self.shared_fs == "glusterfs":
+            from kvtier.tools.hosts.glusterfs import unavailable as no_gluster
+            why = "it needs --hosts 2 or more" if self.hosts < 2 else no_gluster(hosts=True)
+            if why:
+                raise ReplayError(f"--shared-fs glusterfs: {why}; or leave it out (one "
+                                  "directory of this machine)")
         if self.hosts > 1:
             from kvtier.tools.hosts.netns import unavailable
             why = unavailable()

@@ -91,7 +91,8 @@ def _vllm_cluster(ctx: RunCtx, cfg: Config, root: Path, ui, clusters: int = 1):
                        num_blocks=ctx.kv_tok // 32 + 1, max_model_len=ctx.max_len,
                        dtype=spec.dtype, eviction=spec.eviction, admission=spec.admission,
                        engines_alongside=clusters, pool=spec.pool,
-                       inproc=not spec.multiproc, hosts=spec.hosts, say=ui.say)
+                       inproc=not spec.multiproc, hosts=spec.hosts,
+                       shared_fs=spec.shared_fs, say=ui.say)
 
 
 def _replay_vllm(ctx: RunCtx, cfg: Config, cluster, ui, update) -> list[dict]:
@@ -110,11 +111,12 @@ def _run_sim(ctx: RunCtx, cfg: Config, root: Path, ui, update):
     try:
         if cfg.uses_store and spec.hosts > 1:
             from kvtier.tools.hosts.cluster import HostCluster
-            hosts = HostCluster.for_engines(spec.hosts, root / "hosts")
+            hosts = HostCluster.for_engines(spec.hosts, root / "hosts", spec.shared_fs)
             address = hosts.master_address
             ui.say(f"[{cfg.label}] starting {n} simulated instances on {spec.hosts} hosts")
             workers = _start_workers(root, cfg, ctx.sizing, n, address, spec,
-                                     [hosts.hosts.names[k % spec.hosts] for k in range(n)])
+                                     [hosts.hosts.names[k % spec.hosts] for k in range(n)],
+                                     [hosts.shared_of(k % spec.hosts) for k in range(n)])
         elif cfg.uses_store:
             mcfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
             master = EmbeddedMaster(mcfg, log_path=root / "master.log").start()
@@ -142,14 +144,16 @@ def _run_sim(ctx: RunCtx, cfg: Config, root: Path, ui, update):
     return records, extra
 
 
-def _start_workers(root, cfg, sizing, n, address, spec, hosts=None):
-    """`hosts[k]`: the network namespace instance k runs in (None: this one)."""
+def _start_workers(root, cfg, sizing, n, address, spec, hosts=None, shared=None):
+    """`hosts[k]`: the network namespace instance k runs in (None: this one); `shared[k]`
+    its shared dir (None: the replay's one)."""
     from kvtier.tools.replay.sim_worker import SimWorker
     workers = []
     try:
         for k in range(n):
             pol = node_policy(root, f"n{k}", address, cfg, sizing, spec.chunk_tokens,
-                              spec.eviction, spec.admission, count_hosts=bool(hosts))
+                              spec.eviction, spec.admission, count_hosts=bool(hosts),
+                              shared=shared[k] if shared else None)
             workers.append(SimWorker(pol, f"n{k}", sizing.block_bytes,
                                      str(root / f"instance-n{k}.log"),
                                      hosts[k] if hosts else None))

@@ -39,11 +39,13 @@ import time
 import traceback
 
 from kvtier.store.base import block
+from kvtier.store.base.errors import TierUnavailableError
 from kvtier.store.base.keys import KEY_HEX
 from kvtier.tiers.base import MISS
 
 
 KEY_BYTES = KEY_HEX  # what `save` writes at the head of each payload: its key, in hex
+SCRUB_WAIT_S = 60.0  # how long the end's read back waits for a tier to answer again
 
 
 class InstanceDied(RuntimeError):
@@ -219,9 +221,19 @@ class _Instance:
     def scrub(self, tier: str, keys):
         """Read `keys` from tier `tier` alone, as any read does (a corrupt frame is
         quarantined; a sharedfs file another node removed drops this node's entry of it):
-        {held: how many the tier had, corrupt: found now, wrong: served with wrong bytes}."""
+        {held: how many the tier had, corrupt: found now, wrong: served with wrong bytes}.
+        A tier that is unavailable (a network filesystem whose link just came back) is
+        waited for, up to `SCRUB_WAIT_S`."""
         t, keys = self.store.by_name[tier], list(keys)
-        held = sum(t.contains(keys))
+        until = time.monotonic() + SCRUB_WAIT_S
+        while True:
+            try:
+                held = sum(t.contains(keys))
+                break
+            except TierUnavailableError:
+                if time.monotonic() > until:
+                    raise
+                time.sleep(0.5)
         before = t.counters()["corrupt"]
         frames = self._frames(len(keys))
         got = t.get(keys, frames)

@@ -182,6 +182,7 @@ class Injector:
         for node in nodes:
             node._bank()  # what its processes counted, before they go
         killed = self.hosts.hosts.kill(i)
+        self.hosts.host_restarted(i)
         self._record(now, "host-kill", f"host {i}: {killed} processes SIGKILLed, its "
                      f"instances {', '.join(n.node for n in nodes)} started again")
         for node in nodes:

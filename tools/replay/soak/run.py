@@ -92,12 +92,13 @@ class SoakSpec:
 
 
 def soak_policy(root: Path, disk: Path, node: str, address: str, es: EngineSpec,
-                sizing: Sizing, etcd: str | None = None) -> dict:
+                sizing: Sizing, etcd: str | None = None, shared: Path | None = None) -> dict:
     """The replay's node policy, with the nvme and shared dirs on the soak's disk (`etcd`:
-    the HA masters' etcd)."""
+    the HA masters' etcd; `shared`: the shared dir on its host's network filesystem
+    instead)."""
     return node_policy(root, node, address, Config("kvtier", es.dram[0], "kvtier"), sizing,
                        es.chunk_tokens, es.eviction, es.admission, tiers_root=disk,
-                       etcd=etcd)
+                       etcd=etcd, shared=shared)
 
 
 def run_soak(spec: SoakSpec, ui) -> dict:
@@ -115,6 +116,9 @@ def run_soak(spec: SoakSpec, ui) -> dict:
         from kvtier.tools.hosts.cluster import HostCluster
         hosts = HostCluster(es.hosts + (3 if spec.ha else 1), root / "hosts")
         hosts.hosts.on_signals()
+        if es.shared_fs == "glusterfs":
+            ui.say(f"mounting a GlusterFS volume with a brick on each of {hosts.k} hosts")
+            hosts.mount_glusterfs()
         if spec.ha:
             ui.say("starting etcd and two HA masters")
             hosts.start_ha(es.hosts, es.hosts + 1, es.hosts + 2)
@@ -124,7 +128,8 @@ def run_soak(spec: SoakSpec, ui) -> dict:
     else:
         address = f"127.0.0.1:{free_port()}"
     etcd = hosts.etcd if hosts is not None else None
-    pols = {f"n{k}": soak_policy(root, root / "disk", f"n{k}", address, es, sizing, etcd)
+    pols = {f"n{k}": soak_policy(root, root / "disk", f"n{k}", address, es, sizing, etcd,
+                                 hosts.shared_of(k % es.hosts) if hosts else None)
             for k in range(n)}
     size = DISK_SLACK + sum(t["capacity"] for p in pols.values() for t in p["tiers"]
                             if t["kind"] != "mooncake")
@@ -164,6 +169,12 @@ class Soak:
         self.failures: list[str] = []
         self.injector: Injector | None = None
         self._shown = 0.0
+
+    def _shared_root(self, disk) -> Path:
+        """Where the shared tier's files are seen from here: the soak's disk, or a host's
+        mount of the network filesystem (every mount shows the same files)."""
+        shared = self.hosts.shared_of(0) if self.hosts is not None else None
+        return shared if shared is not None else disk.where / "shared"
 
     # ---- hooks of SoakNode ---------------------------------------------------------------
 
@@ -243,7 +254,7 @@ class Soak:
             for node in nodes:
                 node.worker.ready()
             self.injector = Injector(self.spec.fault_every_s, master, nodes, disk,
-                                     disk.where / "shared", self.rng, self.ui.say,
+                                     self._shared_root(disk), self.rng, self.ui.say,
                                      self.spec.faults, self.hosts, node_hosts, ha)
             self.t0 = time.monotonic()  # the soak's clock starts with the cluster up
             reps = self._replay(nodes, plan, Calibration.load(es.calibration).model)
