@@ -144,6 +144,10 @@ def test_metrics_split_hits_by_tier_and_count_live_contexts():
     assert s["hit_by_tier"] == pytest.approx({"local": 5.0, "dram": 7.5, "shared": 25.0})
     assert s["bytes_read"] == {"dram": 300, "shared": 1000}
     assert s["throughput_tps"] == pytest.approx(403 / 3.0)
+    assert s["recomputed_pct"] == 0.0  # records without the field (the sim's)
+    recs[2]["recomputed"] = 40  # promised from kvtier, then computed
+    assert summarize(recs, ["dram", "shared"], 10, 32, 100)["overall"]["recomputed_pct"] == \
+        pytest.approx(100 * 40 / 400)
     # live on instance 0 at each start: {0}: 1.0, {0,1}: 2.0, {0 (now 200), 1}: 3.0
     assert kv_ratio(recs, 100) == pytest.approx(2.0)
 

@@ -12,7 +12,9 @@ Definitions (the same in both engine modes):
   tier (chunks saved x chunk bytes); what the tiers hold at the end is added by the caller;
 - KV ratio: at each request's start, the contexts (latest prompt) of the sessions live on
   its instance (served there before and not yet done) over the instance's KV cache, averaged
-  over requests: how far the working set exceeds what vLLM's own cache can hold.
+  over requests: how far the working set exceeds what vLLM's own cache can hold;
+- recomputed: tokens a lookup promised from kvtier that the engine then computed (a load
+  that failed or passed its deadline), over input tokens (vLLM engines; 0 in the sim).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def _block(records: list[dict], tier_names: list[str], bpt: int, chunk: int) -> 
         "hit_rate": 100.0 * cached / max(inp, 1),
         "hit_by_tier": {"local": 100.0 * local / max(inp, 1),
                         **{n: 100.0 * v / max(inp, 1) for n, v in tier_tok.items()}},
+        # promised by a lookup, then recomputed (a load that failed or passed its deadline)
+        "recomputed_pct": 100.0 * sum(r.get("recomputed", 0) for r in records) / max(inp, 1),
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
         "e2e_p50_s": pct(e2e, 50), "e2e_p99_s": pct(e2e, 99),
         "bytes_read": {n: v * bpt for n, v in tier_tok.items()},
