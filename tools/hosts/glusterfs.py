@@ -69,7 +69,7 @@ class GlusterVolume:
         why = unavailable(hosts is not None)
         if why:
             raise HostsError(f"cannot make a GlusterFS volume: {why}")
-        self.root = Path(root)
+        self.root = Path(root).absolute()  # glusterd takes absolute paths only
         self.hosts = hosts
         homes = [self.root] if hosts is None else \
             [self.root / f"h{i}" for i in range(hosts.k)]
