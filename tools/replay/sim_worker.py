@@ -32,6 +32,7 @@ mover keeps up within seconds; virtual gaps pass in milliseconds here).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -248,6 +249,9 @@ def _main(conn, policy: dict, node_id: str, payload_bytes: int, log_path: str,
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    # timestamps, so a fault's story can be placed beside the masters' logs
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if host is not None:  # before any thread or socket: a namespace is per thread
             from kvtier.tools.hosts.netns import enter
