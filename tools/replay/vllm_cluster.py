@@ -11,9 +11,9 @@ engine up with one short prompt nobody else sends, and gives one backend per ins
 `tools.replay.live`, which submits each request on its own (the engines batch continuously;
 baseline and kvtier configurations take the same path). A peer's configuration
 (`mooncake-store`, `lmcache`) starts the pool its connector joins instead
-(`tools.replay.peer_pool`), and the engines with that connector. `close()` stops the engines (the
-connector finishes queued saves) and then the master; `held()` reads, afterwards, what each
-node's index holds per tier.
+(`tools.bench.peer_pool`), and the engines with that connector. `close()` stops the engines
+(the connector finishes queued saves) and then the master; `held()` reads, afterwards, what
+each node's index holds per tier.
 
 Requests carry their session as a kvtier hint (`kv_transfer_params`), as an agent framework
 that knows its session ids would send it.
@@ -28,7 +28,8 @@ from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 from kvtier.tools.replay.cluster import (PEERS, Config, ReplayError, Sizing, node_policy,
                                          pool_split)
-from kvtier.tools.replay.peer_pool import start_peer_pool
+from kvtier.tools.bench.peer_pool import start_peer_pool
+from kvtier.tools.bench.peer_systems import PeerUnavailable
 from kvtier.tools.replay.plan import VOCAB, Plan
 from kvtier.tools.threads import in_threads
 from kvtier.tools.vllm_engine import Completion, Engine, EngineError, kvtier_transfer_config
@@ -68,7 +69,7 @@ class VllmCluster:
         self.root, self.cfg, self.n = root, cfg, n
         self.master: EmbeddedMaster | None = None
         self.service = None
-        self.peer = None  # the pool a peer's engines join (`tools.replay.peer_pool`)
+        self.peer = None  # the pool a peer's engines join (`tools.bench.peer_pool`)
         self.hosts = None  # a HostCluster: engine k on host k % hosts, the master on one more
         self.engines: list[Engine | None] = [None] * n
         self.policies: list[dict | None] = [None] * n
@@ -87,7 +88,11 @@ class VllmCluster:
                              for k in range(n)]
             self.prefixes = [self.hosts.hosts.command(k % hosts, []) for k in range(n)]
         elif cfg.kind in PEERS:
-            self.peer = start_peer_pool(cfg.kind, root, sizing.segment_bytes(cfg.dram_frac) * n)
+            try:
+                self.peer = start_peer_pool(cfg.kind, root,
+                                            sizing.segment_bytes(cfg.dram_frac) * n)
+            except PeerUnavailable as e:
+                raise ReplayError(f"--baselines {cfg.kind}: {e}") from e
         elif cfg.uses_store:
             mcfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
             self.master = EmbeddedMaster(mcfg, log_path=root / "master.log").start()
