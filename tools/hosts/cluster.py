@@ -3,7 +3,8 @@
 `HostCluster(k, root)` makes k hosts (`tools.hosts.netns`), a home directory per host under
 `root` (its index, nvme dir and run dir: nothing of one host's node state is seen by
 another) and `root/shared`, the one directory every host uses as its sharedfs tier (the
-shared filesystem). `start_master(i)` runs `kvtier master` on host i, bound to that host's
+shared filesystem; `mount_glusterfs` gives each host its own mount of a GlusterFS volume
+instead). `start_master(i)` runs `kvtier master` on host i, bound to that host's
 address. `policy(i)` is host i's policy: the embedded defaults with only the master's
 address given (so `local_hostname` is unset: cross-host by default) and tiers sized for a
 test. `start_ha(leader, standby, etcd)` runs Mooncake's HA masters instead: etcd on one
@@ -40,16 +41,15 @@ def kvtier_argv(*args: str) -> list[str]:
 class HostCluster:
     """k hosts with a master, homes and a shared dir; a context manager."""
 
-    def __init__(self, k: int, root: Path, dram: str = "64MiB", shared: Path | None = None):
-        """`shared`: the directory every host's sharedfs tier uses (default `root/shared`;
-        a network filesystem's mount, `tools.hosts.glusterfs`); `use_shared` gives each
-        host its own mount of one."""
+    def __init__(self, k: int, root: Path, dram: str = "64MiB"):
+        """Every host's sharedfs tier uses `root/shared` until `use_shared` gives each host
+        its own mount of a network filesystem."""
         self.root = Path(root)
         self.dram = dram
         self.hosts = Hosts(k)
-        self.shared = Path(shared) if shared is not None else self.root / "shared"
+        self.shared = self.root / "shared"
         self.shared.mkdir(parents=True, exist_ok=True)
-        self.shared_dirs = [self.shared] * k
+        self.shared_dirs: list[Path] | None = None  # with `use_shared`: host i's at [i]
         self.volume = None  # with `mount_glusterfs`: the GlusterVolume across the hosts
         self.master_host: int | None = None
         self.master: subprocess.Popen | None = None
@@ -74,9 +74,9 @@ class HostCluster:
         return cluster
 
     def shared_of(self, i: int) -> Path | None:
-        """Host i's own mount of the network filesystem (with `mount_glusterfs`), else None
-        (every host uses the one directory)."""
-        return self.shared_dirs[i] if self.volume is not None else None
+        """Host i's own mount of the network filesystem (`use_shared`, `mount_glusterfs`),
+        else None (every host uses the one directory)."""
+        return self.shared_dirs[i] if self.shared_dirs else None
 
     def use_shared(self, dirs: list[Path]) -> None:
         """Host i's sharedfs tier uses `dirs[i]`: each host's own mount of one network
@@ -86,7 +86,6 @@ class HostCluster:
         self.shared_dirs = [Path(d) for d in dirs]
         for d in self.shared_dirs:
             d.mkdir(parents=True, exist_ok=True)
-        self.shared = self.shared_dirs[0]
 
     def mount_glusterfs(self) -> None:
         """Put the shared filesystem on GlusterFS, as deployed: a brick on every host and
@@ -127,7 +126,7 @@ class HostCluster:
             "nvme": {"name": "nvme", "kind": "nvme", "path": str(home / "nvme"),
                      "capacity": "256MiB", "region_size": "4MiB"},
             "shared": {"name": "shared", "kind": "sharedfs",
-                       "path": str(self.shared_dirs[i]),
+                       "path": str(self.shared_of(i) or self.shared),
                        "capacity": "1GiB"},
         }
         return {"chunk_tokens": 256,

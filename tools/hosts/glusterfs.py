@@ -71,28 +71,26 @@ class GlusterVolume:
             raise HostsError(f"cannot make a GlusterFS volume: {why}")
         self.root = Path(root).absolute()  # glusterd takes absolute paths only
         self.hosts = hosts
-        homes = [self.root] if hosts is None else \
+        self.homes = [self.root] if hosts is None else \
             [self.root / f"h{i}" for i in range(hosts.k)]
-        self.homes = homes
-        self.bricks = [h / "brick" for h in homes]
-        self.mounts = [h / "mnt" for h in homes]
-        for h in homes:
+        self.bricks = [h / "brick" for h in self.homes]
+        self.mounts = [h / "mnt" for h in self.homes]
+        for h in self.homes:
             for d in ("lib", "brick", "mnt"):
                 (h / d).mkdir(parents=True, exist_ok=True)
         self.brick, self.mnt = self.bricks[0], self.mounts[0]
-        self.log = homes[0] / "glusterd.log"
         self.daemons: list[subprocess.Popen] = []
         self.mounted: list[Path] = []
         try:
-            self._start(homes)
+            self._start()
         except BaseException:
             self.close()
             raise
 
-    def _start(self, homes: list[Path]) -> None:
-        for i, home in enumerate(homes):
+    def _start(self) -> None:
+        for i, home in enumerate(self.homes):
             self.daemons.append(self._daemon(i, home))
-        for i, (home, daemon) in enumerate(zip(homes, self.daemons)):
+        for i, (home, daemon) in enumerate(zip(self.homes, self.daemons)):
             end = time.monotonic() + START_S
             while self.gluster("volume", "list", check=False, on=i).returncode != 0:
                 if daemon.poll() is not None or time.monotonic() > end:

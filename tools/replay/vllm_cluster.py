@@ -26,10 +26,10 @@ from pathlib import Path
 
 from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
-from kvtier.tools.replay.cluster import (PEERS, Config, ReplayError, Sizing, node_policy,
-                                         pool_split)
 from kvtier.tools.bench.peer_pool import start_peer_pool
 from kvtier.tools.bench.peer_systems import PeerUnavailable
+from kvtier.tools.replay.cluster import (PEERS, Config, ReplayError, Sizing, node_policy,
+                                         pool_split)
 from kvtier.tools.replay.plan import VOCAB, Plan
 from kvtier.tools.threads import in_threads
 from kvtier.tools.vllm_engine import Completion, Engine, EngineError, kvtier_transfer_config
