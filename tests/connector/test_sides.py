@@ -34,8 +34,11 @@ TOOL = 99_001  # a token id standing for the model's tool-call token
 
 
 def make_sides(root, tiers: list[dict], staging: int = 1 << 20, master: str | None = None,
-               model_config=None, load_deadline: bool = True):
-    """Both sides over one store of `tiers` and a paged cache in vLLM's CPU layout."""
+               model_config=None, load_deadline: bool = False):
+    """Both sides over one store of `tiers` and a paged cache in vLLM's CPU layout. Loads
+    without deadlines unless asked: with no engine the recompute model learns from the
+    test's own pacing of steps, and a busy host would turn a slow load into a recompute
+    (`test_deadline` checks deadlines on a real engine)."""
     policy = policy_from_dict({
         "namespace": {"model": "unit"}, "chunk_tokens": CHUNK,
         "index": {"path": str(root / "index"), "map_size": "32MiB"}, "tiers": tiers,
@@ -274,7 +277,17 @@ class _Positive:
 ANY_DEADLINE = _Positive()
 
 
-def test_request_aborted_while_loading_saves_nothing_and_holds_nothing(sides):
+@pytest.fixture
+def deadline_sides(tmp_path):
+    s = make_sides(tmp_path, [{"name": "shared", "kind": "sharedfs",
+                               "path": str(tmp_path / "shared"), "capacity": "64MiB"}],
+                   load_deadline=True)
+    yield s
+    close_sides(s)
+
+
+def test_request_aborted_while_loading_saves_nothing_and_holds_nothing(deadline_sides):
+    sides = deadline_sides
     tokens = random_prompt(5, 300)
     save_prompt(sides, "r1", tokens, list(range(0, 10)))
     r = request("r2", tokens)
@@ -466,13 +479,12 @@ def pool_sides(tmp_path, mooncake_master):
     """A pool tier lent from a segment file (`segment_dir`) over sharedfs: loads read the
     pool's chunks where they lie in the file and scatter them from there. Loads without
     deadlines: these tests count which chunks were read where and read again, and a busy
-    host would turn a slow re-read into a recompute (`test_deadline` checks that)."""
+    host would turn a slow re-read into a recompute."""
     s = make_sides(tmp_path, [
         {"name": "dram", "kind": "mooncake", "capacity": "64MiB", "buffer": "8MiB",
          "staging": "8MiB", "segment_dir": str(tmp_path / "shm")},
         {"name": "shared", "kind": "sharedfs", "path": str(tmp_path / "shared"),
-         "capacity": "64MiB"}], staging=4 << 20, master=mooncake_master.address,
-        load_deadline=False)
+         "capacity": "64MiB"}], staging=4 << 20, master=mooncake_master.address)
     yield s
     close_sides(s)
 
