@@ -338,13 +338,19 @@ class Mover:
         limit = self.cfg.high_watermark * tier.capacity_bytes
         used = tier.used_bytes()
         if used + incoming > limit:
-            target = self.cfg.low_watermark * tier.capacity_bytes
-            self.evict(tier, int(used + incoming - target))
+            self.evict(tier, self._share_over(tier, used) + incoming)
 
     def _enforce_watermark(self, tier: Tier) -> None:
         used = tier.used_bytes()
         if used > self.cfg.high_watermark * tier.capacity_bytes:
-            self.evict(tier, int(used - self.cfg.low_watermark * tier.capacity_bytes))
+            self.evict(tier, self._share_over(tier, used))
+
+    def _share_over(self, tier: Tier, used: int) -> int:
+        """This process's part of what `tier` holds above its low watermark. Processes that
+        fill one space (a node's pool service) each see all of it used; each freeing the
+        whole excess freed it once per process and left the pool half empty."""
+        over = max(0.0, used - self.cfg.low_watermark * tier.capacity_bytes)
+        return int(over * tier.own_share())
 
     def evict(self, tier: Tier, need_bytes: int) -> int:
         """Demote the policy's victims from `tier` one tier down (if admitted), then drop them."""

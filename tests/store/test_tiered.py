@@ -328,6 +328,51 @@ def test_blocks_another_node_lifted_are_not_asked_about_every_tick(tmp_path, sha
             assert b.mover.pending() == 0
 
 
+def test_processes_sharing_a_pool_service_free_its_excess_once(tmp_path, mooncake_master):
+    """Two nodes of one host join one pool service: both read the same segment's usage.
+    When it passes the high watermark each frees its own share of the excess, so the excess
+    is freed once (each freeing all of it emptied the pool by the excess once per node)."""
+    from kvtier.tiers.mooncake.master import free_port
+    from kvtier.tiers.mooncake.service import PoolService
+
+    def policy(name, service):
+        return make_policy(
+            tmp_path / name, master_address=mooncake_master.address,
+            master={"address": mooncake_master.address, "embedded": False,
+                    "extra_flags": {"metrics_port": str(mooncake_master.metrics_port)},
+                    "run_dir": str(tmp_path / "run")},  # where the service names its segment
+            mover={"interval_s": 0.05, "buffer": "8MiB"}, admission={"kind": "always"},
+            tiers=[{"name": "dram", "kind": "mooncake", "capacity": "16MiB",
+                    "buffer": "16MiB", "staging": "8MiB", "service": service,
+                    "service_embedded": False}])
+
+    address = f"127.0.0.1:{free_port()}"
+    svc_cfg = policy("svc", address)
+    with PoolService(svc_cfg.tiers[0], svc_cfg.master) as _svc, \
+            TieredStore(policy("a", address), node_id="a", mover=False) as a, \
+            TieredStore(policy("b", address), node_id="b", mover=False) as b:
+        frame = block.frame_size(PAYLOAD, block.PAGE)
+        per_node = int(0.93 * (16 << 20) / frame) // 2  # together above the 90% watermark
+        keys = block_keys(NS, range(16 * 2 * per_node))
+        a.save(keys[:per_node], frames_for(keys[:per_node]))
+        b.save(keys[per_node:], frames_for(keys[per_node:]))
+        for s in (a, b):
+            s.tiers[0].usage.refresh()
+        used = a.tiers[0].used_bytes()
+        assert used == b.tiers[0].used_bytes() > 0.9 * (16 << 20)
+        assert 0.4 < a.tiers[0].own_share() < 0.6 and 0.4 < b.tiers[0].own_share() < 0.6
+        excess = used - 0.8 * (16 << 20)
+        for s in (a, b):
+            s.mover.tick()
+            s.tiers[0].usage.refresh()
+        freed = sum(s.mover.stats.get("evicted_dram", 0) for s in (a, b))
+        # Whole frames: each node rounds its share up by at most one.
+        assert excess / frame <= freed <= excess / frame + 2
+        held = a.tiers[0].contains(keys)
+        assert sum(held) == 2 * per_node - freed
+        assert a.tiers[0].used_bytes() <= 0.9 * (16 << 20)
+
+
 class TieredMachine(RuleBasedStateMachine):
     """Random sessions, loads, ticks, pool losses and reopens against small tiers."""
 

@@ -147,6 +147,26 @@ def test_service_outlives_its_clients(tmp_path, mooncake_master):
             b.close()
 
 
+def test_a_service_names_its_segment_in_a_new_run_dir_and_a_stranger_is_told(
+        tmp_path, mooncake_master, caplog):
+    """The segment's name goes to the starter's run dir, made if missing; a process with
+    another run dir cannot find it and says what that costs and how to fix it."""
+    from kvtier.store.base.config import MasterConfig
+    run = tmp_path / "not" / "yet" / "run"
+    master = MasterConfig(address=mooncake_master.address, embedded=False, run_dir=run)
+    with PoolService(open_joined_cfg(tmp_path, mooncake_master), master) as svc:
+        assert read_segment(svc.address, run)
+        with caplog.at_level("WARNING", logger="kvtier.tiers.mooncake.client"):
+            stranger = open_joined(tmp_path, mooncake_master, svc.address,
+                                   service_embedded=False)
+        try:
+            assert stranger.client.segment == ""
+            assert any("named no segment" in r.getMessage() and "master.run_dir" in
+                       r.getMessage() for r in caplog.records)
+        finally:
+            stranger.close()
+
+
 # ---- helpers -------------------------------------------------------------------------
 
 def open_joined_cfg(root: Path, master):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import logging
 import os
 import secrets
 import threading
@@ -51,6 +52,8 @@ from kvtier.tiers.mooncake.hostname import announced_host
 from kvtier.tiers.mooncake.master import (INSTALL_HINT, ensure_master, master_answers,
                                           master_reachable)
 from kvtier.tiers.mooncake.segments import LentFile
+
+log = logging.getLogger(__name__)
 
 OK = 0
 NO_AVAILABLE_HANDLE = -200   # pool full and nothing evictable
@@ -298,7 +301,15 @@ class MooncakeClient:
         if not self.cfg.service:
             return store.get_hostname() if self.lend else ""
         from kvtier.tiers.mooncake.service import read_segment
-        return read_segment(self.cfg.service, self.master.runtime_dir)
+        name = read_segment(self.cfg.service, self.master.runtime_dir)
+        if not name:
+            log.warning("tier %r: the pool service at %s named no segment in %s (started by "
+                        "hand, or with another master.run_dir): this process counts only "
+                        "its own puts as the pool's usage and its puts do not prefer the "
+                        "node's segment; give the node's processes and its service one "
+                        "master.run_dir", self.cfg.name, self.cfg.service,
+                        self.master.runtime_dir)
+        return name
 
     def _replicate_config(self) -> Any:
         """Replication and soft pin from the policy, on whatever this API version offers."""

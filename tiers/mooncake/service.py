@@ -103,6 +103,7 @@ class PoolService(ChildProcess):
         if segment is None:
             return  # an unknown log format: clients place without preferring it
         path = segment_file(self.address, self.master.runtime_dir)
+        make_private_dirs(path.parent)
         tmp = path.with_name(path.name + f".{os.getpid()}")
         with private_file(tmp, "w") as f:
             f.write(segment)

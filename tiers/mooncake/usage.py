@@ -5,7 +5,9 @@ from its metrics endpoint (`segment_allocated_bytes{segment=...}`) when the endp
 set explicitly, the master this process started, or `metrics_port` in the master's flags.
 Otherwise it answers with the frames this process put and has not seen deleted, missing or
 corrupt since (an estimate: evictions by the master show up only when a lookup misses).
-Both are capped at the segment's capacity. Thread-safe.
+Both are capped at the segment's capacity. `own_share` is the part of that this process's
+own frames make up: with a node's pool service every process of the node reads the same
+segment's allocation, and each may free only what it put. Thread-safe.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class PoolUsage:
         self.master = master
         self.url: str | None = None  # set to read usage from this metrics endpoint
         self._mine: dict[str, int] = {}
+        self._mine_bytes = 0
         self._lock = threading.Lock()
         self._cache = (0.0, 0)  # (monotonic time, bytes) of the last metrics read
         self._since = 0  # bytes of new frames put since that read
@@ -40,8 +43,10 @@ class PoolUsage:
         with self._lock:
             mine = self._mine
             for key, size in zip(keys, sizes):
-                if key not in mine:
+                old = mine.get(key)
+                if old is None:
                     new, nbytes = new + 1, nbytes + size
+                self._mine_bytes += size - (old or 0)
                 mine[key] = size
             self._since += nbytes
         return new, nbytes
@@ -50,7 +55,7 @@ class PoolUsage:
         if keys and self._mine:
             with self._lock:
                 for key in keys:
-                    self._mine.pop(key, None)
+                    self._mine_bytes -= self._mine.pop(key, 0)
 
     def refresh(self) -> None:
         """Drop the cached metrics reading (the next call reads the endpoint again)."""
@@ -64,7 +69,15 @@ class PoolUsage:
             # a second; a caller that just put expects to see it).
             return min(self.capacity_bytes, measured + self._since)
         with self._lock:
-            return min(self.capacity_bytes, sum(self._mine.values()))
+            return min(self.capacity_bytes, self._mine_bytes)
+
+    def own_share(self) -> float:
+        """The fraction of `used_bytes` that frames this process put make up (1.0 when the
+        segment is empty)."""
+        used = self.used_bytes()
+        with self._lock:
+            mine = self._mine_bytes
+        return 1.0 if used <= 0 else min(1.0, mine / used)
 
     def _find_url(self) -> str | None:
         if self.url:

@@ -119,7 +119,8 @@ def node_policy(root: Path, node: str, master: str, spec: BenchSpec,
         dram |= {"capacity": "2GiB", "service": service, "service_embedded": False}
     return {"namespace": {"model": f"tiny-{spec.model_kind}"}, "chunk_tokens": spec.chunk_tokens,
             "index": {"path": str(root / node / "index"), "map_size": "256MiB"},
-            "master": {"address": master, "embedded": False},
+            # One run dir for the node: where its pool service names its segment.
+            "master": {"address": master, "embedded": False, "run_dir": str(root / "run")},
             "admission": {"kind": "always"}, "mover": {"promote_on_hit": False},
             "tiers": [
                 dram,
@@ -133,7 +134,8 @@ class Bench:
     def __init__(self, root: Path, spec: BenchSpec, progress=print):
         self.root, self.spec, self.say = root, spec, progress
         self.model = make_tiny_model(root / "model", spec.model_kind)
-        self.master_cfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
+        self.master_cfg = MasterConfig(address=f"127.0.0.1:{free_port()}",
+                                       run_dir=root / "run")
         self.master = EmbeddedMaster(self.master_cfg, log_path=root / "master.log").start()
         self.service = None
         if spec.pool == "service":

@@ -94,12 +94,13 @@ class VllmCluster:
             except PeerUnavailable as e:
                 raise ReplayError(f"--baselines {cfg.kind}: {e}") from e
         elif cfg.uses_store:
-            mcfg = MasterConfig(address=f"127.0.0.1:{free_port()}")
+            mcfg = MasterConfig(address=f"127.0.0.1:{free_port()}", run_dir=root / "run")
             self.master = EmbeddedMaster(mcfg, log_path=root / "master.log").start()
             service = self._start_service(pool, root, mcfg, cfg, sizing, chunk_tokens,
                                           eviction, admission)
             self.policies = [node_policy(root, f"n{k}", mcfg.address, cfg, sizing,
-                                         chunk_tokens, eviction, admission, service=service)
+                                         chunk_tokens, eviction, admission, service=service,
+                                         run_dir=mcfg.run_dir if service else None)
                              for k in range(n)]
         # One OpenMP team per engine sized to its share of the cores: the in-process engine
         # does not bind threads, so N engines of (cores) spinning threads each oversubscribe
