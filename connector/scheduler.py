@@ -112,6 +112,7 @@ class _Req:
     promises: list[list[tuple[str, int]]] = field(default_factory=list)  # per job: (tier,
     # tokens) per chunk, until the workers say how much of it landed
     recomputed: int = 0          # tokens promised from kvtier, then recomputed
+    declined: int = 0            # tokens found in kvtier, recomputed as faster (last lookup)
     deadlines_ms: list[float] = field(default_factory=list)  # of its loads, as planned
     load_failed: bool = False    # a load fell short: recompute, do not promise again
     looked_up: list[str] = field(default_factory=list)  # the keys of the last lookup
@@ -214,6 +215,7 @@ class SchedulerSide:
     def _plan(self, st: _Req, found: Any, first: int) -> tuple[int, float | None]:
         """(chunks of the chain to count as hit, the load's deadline): the prefix of the hit
         past the local one whose load beats recomputing it (`plan_load`)."""
+        st.declined = 0
         if st.load_failed or found.hit_blocks <= first:
             return first, None
         if not self.deadlines:
@@ -221,6 +223,7 @@ class SchedulerSide:
         plan = plan_load(found.tiers[first:found.hit_blocks], self.chunk, first * self.chunk,
                          lambda ts: self.store.expected_load_s(ts, self.frame_bytes),
                          self.recompute)
+        st.declined = (found.hit_blocks - first - plan.chunks) * self.chunk
         if plan.chunks < found.hit_blocks - first:
             log.debug("kvtier: %s: loading %d of %d hit chunks (load %.1f ms against "
                       "recompute %.1f ms)", st.request.request_id, plan.chunks,
@@ -483,9 +486,11 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, dict | None]:
         """(keep the blocks?, `{"kvtier": {"hit_tokens": {tier: n}, "recomputed_tokens": n,
-        "load_deadlines_ms": [ms], "saved_chunks": n, "loads": {"async": n, "sync": n}}}`):
-        `hit_tokens` counts the tokens loaded from each tier, `recomputed_tokens` those
-        promised and then recomputed (a load that failed or passed its deadline),
+        "declined_tokens": n, "load_deadlines_ms": [ms], "saved_chunks": n, "loads":
+        {"async": n, "sync": n}}}`): `hit_tokens` counts the tokens loaded from each tier,
+        `recomputed_tokens` those promised and then recomputed (a load that failed or passed
+        its deadline), `declined_tokens` those found in kvtier and recomputed because
+        loading them would have taken longer (never promised),
         `load_deadlines_ms` the deadline each of its loads was given, `loads` the request's
         loads from kvtier by how they ran (more than one after a preemption).
 
@@ -520,8 +525,11 @@ class SchedulerSide:
             log.debug("kvtier: %s ended with chunks left to save; holding its blocks",
                       request.request_id)
             self._hold.append(request.request_id)
+        if st.declined:
+            self.stats.add("declined_tokens", st.declined)
         return hold, {"kvtier": {"hit_tokens": dict(st.tier_tokens),
                                  "recomputed_tokens": st.recomputed,
+                                 "declined_tokens": st.declined,
                                  "load_deadlines_ms": st.deadlines_ms,
                                  "saved_chunks": st.saved_chunks, "loads": dict(st.loads)}}
 

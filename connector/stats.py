@@ -4,7 +4,8 @@
 [...]}}`. Counters sum when aggregated across workers and intervals; `ms` lists are the
 per-batch durations. Counter names: `hit_tokens:<tier>` (scheduler, tokens loaded from each
 tier, counted once the workers say they landed), `recomputed_tokens` (scheduler: promised,
-then recomputed), `lookups`, `lookup_tokens` (tokens asked for), `load_bytes`, `load_chunks`,
+then recomputed), `declined_tokens` (scheduler: found, recomputed because loading them
+would have taken longer), `lookups`, `lookup_tokens` (tokens asked for), `load_bytes`, `load_chunks`,
 `load_in_place_chunks` (of those, scattered straight from a pool segment file),
 `load_error_blocks`, `load_late_chunks` (chunks not loaded by their deadline),
 `lender_failures:<lender>` (pool blocks whose read failed or came late, by the transport
@@ -81,6 +82,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         "save_bytes": "Bytes saved from the paged KV cache into kvtier",
         "load_error_blocks": "vLLM blocks kvtier failed to load (recomputed)",
         "recomputed_tokens": "Prompt tokens kvtier promised and vLLM then recomputed",
+        "declined_tokens": "Prompt tokens found in kvtier and recomputed because loading "
+                           "them would have taken longer",
         "load_late_chunks": "Chunks not loaded by their load's deadline (recomputed)",
         "save_failed_chunks": "Chunks kvtier could not save",
     }

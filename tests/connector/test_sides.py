@@ -260,7 +260,7 @@ def test_final_save_at_request_end_holds_the_blocks_until_gathered(sides):
     r.all_token_ids, r.num_tokens, r.num_computed_tokens = tokens[:131], 131, 130
     hold, params = sides.sched.request_finished(r, (ids,))
     assert hold and params == {"kvtier": {"hit_tokens": {}, "recomputed_tokens": 0,
-                                          "load_deadlines_ms": [], "saved_chunks": 2,
+                                          "declined_tokens": 0, "load_deadlines_ms": [], "saved_chunks": 2,
                                           "loads": {"async": 0, "sync": 0}}}
     meta = step(sides.sched)
     assert meta.hold == ["r1"] and [len(j.keys) for j in meta.saves] == [1]
@@ -286,6 +286,30 @@ def deadline_sides(tmp_path):
     close_sides(s)
 
 
+def test_a_hit_slower_to_load_than_to_compute_is_declined_and_said_so(deadline_sides):
+    """A tier measured far slower than this engine's prefill: the lookup promises nothing,
+    and the request's end reports the found tokens as declined (not as hits, nor as
+    promised and recomputed)."""
+    sides = deadline_sides
+    tokens = random_prompt(6, 300)
+    save_prompt(sides, "r1", tokens, list(range(0, 10)))
+    rates = sides.sched.store._deadlines.rates
+    for _ in range(20):  # 1 MiB took 10 s, again and again
+        rates.observe("shared", 1 << 20, 10.0)
+    assert rates.predict("shared", 4 * CHUNK * 1024) > 1.0  # 4 chunks of 64 KiB: > 1 s
+    r = request("r2", tokens)
+    n, _ = sides.sched.get_num_new_matched_tokens(r, 0)
+    assert n == 0
+    r.num_computed_tokens = 300
+    sides.sched.update_state_after_alloc(r, blocks(range(50, 60)), 0)
+    step(sides.sched, [("r2", list(range(50, 60)), 0)], {"r2": 300})
+    _, params = sides.sched.request_finished(r, (list(range(50, 60)),))
+    kv = params["kvtier"]
+    assert kv["declined_tokens"] == 4 * CHUNK  # the 4 whole chunks found
+    assert kv["hit_tokens"] == {} and kv["recomputed_tokens"] == 0
+    assert sides.sched.get_stats().data["counters"]["declined_tokens"] == 4 * CHUNK
+
+
 def test_request_aborted_while_loading_saves_nothing_and_holds_nothing(deadline_sides):
     sides = deadline_sides
     tokens = random_prompt(5, 300)
@@ -297,7 +321,7 @@ def test_request_aborted_while_loading_saves_nothing_and_holds_nothing(deadline_
     # Nothing was loaded into a request that never ran: no hit is counted (nor recomputed).
     assert sides.sched.request_finished(r, (list(range(50, 60)),)) == \
         (False, {"kvtier": {"hit_tokens": {}, "recomputed_tokens": 0,
-                            "load_deadlines_ms": [ANY_DEADLINE], "saved_chunks": 0,
+                            "declined_tokens": 0, "load_deadlines_ms": [ANY_DEADLINE], "saved_chunks": 0,
                             "loads": {"async": 1, "sync": 0}}})
     meta = step(sides.sched)
     assert len(meta.loads) == 1 and not meta.saves and not meta.hold

@@ -148,6 +148,9 @@ def test_metrics_split_hits_by_tier_and_count_live_contexts():
     recs[2]["recomputed"] = 40  # promised from kvtier, then computed
     assert summarize(recs, ["dram", "shared"], 10, 32, 100)["overall"]["recomputed_pct"] == \
         pytest.approx(100 * 40 / 400)
+    recs[1]["declined"] = 20  # found in a tier, computed as the faster way
+    assert summarize(recs, ["dram", "shared"], 10, 32, 100)["overall"]["declined_pct"] == \
+        pytest.approx(100 * 20 / 400)
     # live on instance 0 at each start: {0}: 1.0, {0,1}: 2.0, {0 (now 200), 1}: 3.0
     assert kv_ratio(recs, 100) == pytest.approx(2.0)
 

@@ -14,7 +14,9 @@ Definitions (the same in both engine modes):
   its instance (served there before and not yet done) over the instance's KV cache, averaged
   over requests: how far the working set exceeds what vLLM's own cache can hold;
 - recomputed: tokens a lookup promised from kvtier that the engine then computed (a load
-  that failed or passed its deadline), over input tokens (vLLM engines; 0 in the sim).
+  that failed or passed its deadline), over input tokens (vLLM engines; 0 in the sim);
+- declined: tokens a lookup found in a tier and left to the engine because loading them
+  would have taken longer than computing them, over input tokens (vLLM engines).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def _block(records: list[dict], tier_names: list[str], bpt: int, chunk: int) -> 
                         **{n: 100.0 * v / max(inp, 1) for n, v in tier_tok.items()}},
         # promised by a lookup, then recomputed (a load that failed or passed its deadline)
         "recomputed_pct": 100.0 * sum(r.get("recomputed", 0) for r in records) / max(inp, 1),
+        # found in a tier and recomputed because loading would have taken longer
+        "declined_pct": 100.0 * sum(r.get("declined", 0) for r in records) / max(inp, 1),
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
         "e2e_p50_s": pct(e2e, 50), "e2e_p99_s": pct(e2e, 99),
         "bytes_read": {n: v * bpt for n, v in tier_tok.items()},
