@@ -160,3 +160,43 @@ def test_engine_spec_errors_name_the_option():
                     ({"eviction": "belady"}, "--eviction"), ({"admission": "x"}, "--admission")]:
         with pytest.raises(KVTierError, match=msg):
             EngineSpec(**kw).check()
+
+
+def test_engines_on_one_pool_service_read_its_usage_from_the_master(tmp_path, mooncake_master):
+    """The policies the replay gives engines that join one pool service: each reads the
+    service segment's usage from the master, so another engine's puts count (counting its
+    own puts alone, no engine ever saw the pool fill and the master did all the evicting)."""
+    from kvtier.store.base import block
+    from kvtier.store.base.config import MasterConfig, policy_from_dict
+    from kvtier.store.base.keys import Namespace, block_keys
+    from kvtier.store.tiered import TieredStore
+    from kvtier.tiers.mooncake.master import free_port
+    from kvtier.tiers.mooncake.service import PoolService
+    from kvtier.tools.replay.cluster import Config, node_policy
+
+    sizing = Sizing(block_bytes=64 << 10, working_set_bytes=64 << 20, instances=2)
+    address, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
+
+    def policy(node):
+        return policy_from_dict(node_policy(
+            tmp_path, node, mooncake_master.address, Config("dram-only", 0.5, "dram-only"),
+            sizing, 64, "lru", "always", service=address, run_dir=run,
+            metrics_port=mooncake_master.metrics_port))
+
+    payload = 200_000
+    keys = block_keys(Namespace(model="replay-parts", chunk_tokens=16), range(16 * 8))
+    frames = []
+    for key in keys:
+        f = block.alloc_aligned(block.frame_size(payload, block.PAGE))
+        block.seal(f, key, payload)
+        frames.append(f)
+    master = MasterConfig(address=mooncake_master.address, embedded=False, run_dir=run)
+    with PoolService(policy("service").tiers[0], master), \
+            TieredStore(policy("n0"), node_id="n0", mover=False) as a, \
+            TieredStore(policy("n1"), node_id="n1", mover=False) as b:
+        a.save(keys, frames)
+        pool = b.tiers[0]
+        pool.usage.refresh()
+        assert pool.client.segment  # found where the service's starter named it
+        assert pool.used_bytes() >= 8 * payload  # a's puts, read from the master
+        assert pool.own_share() == 0.0 and a.tiers[0].own_share() == 1.0

@@ -101,13 +101,15 @@ def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
                 chunk_tokens: int, eviction: str, admission: str,
                 tiers_root: Path | None = None, service: str | None = None,
                 count_hosts: bool = False, etcd: str | None = None,
-                shared: Path | None = None, run_dir: Path | None = None) -> dict:
+                shared: Path | None = None, run_dir: Path | None = None,
+                metrics_port: int | None = None) -> dict:
     """The inline policy of one instance (`node`) of configuration `cfg`; its index lives
     under `root`, its nvme dir and the shared dir under `tiers_root` (default `root`; the
     shared dir at `shared` where given: its host's mount of a network filesystem).
     `service`: the instances join the pool service there (one segment holding the whole
     pool, shared memory), instead of each lending its share; `run_dir` is then the one the
-    service's starter used, where it names its segment for the node's processes."""
+    service's starter used, where it names its segment for the node's processes.
+    `metrics_port`: the master's, where the pool tier reads what its segment holds."""
     ws = sizing.working_set_bytes
     disk = tiers_root or root
     dram = {"name": "dram", "kind": "mooncake",
@@ -130,7 +132,9 @@ def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
             "index": {"path": str(root / node / "index"), "map_size": "64MiB"},
             "master": {"address": master, "embedded": False,
                        **({"etcd": [etcd]} if etcd else {}),
-                       **({"run_dir": str(run_dir)} if run_dir else {})},
+                       **({"run_dir": str(run_dir)} if run_dir else {}),
+                       **({"extra_flags": {"metrics_port": str(metrics_port)}}
+                          if metrics_port else {})},
             "eviction": {"kind": eviction}, "admission": {"kind": admission},
             "tiers": tiers}
 

@@ -101,7 +101,8 @@ class VllmCluster:
                                           eviction, admission)
             self.policies = [node_policy(root, f"n{k}", mcfg.address, cfg, sizing,
                                          chunk_tokens, eviction, admission, service=service,
-                                         run_dir=mcfg.run_dir if service else None)
+                                         run_dir=mcfg.run_dir if service else None,
+                                         metrics_port=self.master.metrics_port)
                              for k in range(n)]
         # One OpenMP team per engine sized to its share of the cores: the in-process engine
         # does not bind threads, so N engines of (cores) spinning threads each oversubscribe
