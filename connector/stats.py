@@ -5,8 +5,8 @@
 per-batch durations. Counter names: `hit_tokens:<tier>` (scheduler, tokens loaded from each
 tier, counted once the workers say they landed), `recomputed_tokens` (scheduler: promised,
 then recomputed), `declined_tokens` (scheduler: found, recomputed because loading them
-would have taken longer), `lookups`, `lookup_tokens` (tokens asked for), `load_bytes`, `load_chunks`,
-`load_in_place_chunks` (of those, scattered straight from a pool segment file),
+would have taken longer), `lookups`, `lookup_tokens` (tokens asked for), `load_bytes`,
+`load_chunks`, `load_in_place_chunks` (of those, scattered straight from a pool segment file),
 `load_error_blocks`, `load_late_chunks` (chunks not loaded by their deadline),
 `lender_failures:<lender>` (pool blocks whose read failed or came late, by the transport
 endpoint of the process lending them), `save_bytes`, `save_chunks`, `save_failed_chunks`.

@@ -350,7 +350,7 @@ class Mover:
         fill one space (a node's pool service) each see all of it used; each freeing the
         whole excess freed it once per process and left the pool half empty."""
         over = max(0.0, used - self.cfg.low_watermark * tier.capacity_bytes)
-        return int(over * tier.own_share())
+        return int(over * tier.own_share(used))
 
     def evict(self, tier: Tier, need_bytes: int) -> int:
         """Demote the policy's victims from `tier` one tier down (if admitted), then drop them."""

@@ -166,10 +166,11 @@ class Tier(ABC):
     @abstractmethod
     def used_bytes(self) -> int: ...
 
-    def own_share(self) -> float:
-        """The fraction of `used_bytes` this process's own blocks make up: what its eviction
-        can free. 1.0 for a tier this process alone fills; less for space shared with other
-        processes that each evict their own (a node's pool service)."""
+    def own_share(self, used: int) -> float:
+        """The fraction of `used` (a `used_bytes` reading) this process's own blocks make
+        up: what its eviction can free. 1.0 for a tier this process alone fills; less for
+        space shared with other processes that each evict their own (a node's pool
+        service)."""
         return 1.0
 
     def counters(self) -> dict[str, int]:

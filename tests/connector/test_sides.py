@@ -72,10 +72,15 @@ def close_sides(s) -> None:
     s.sched.shutdown()
 
 
+def shared_sides(root, **kw):
+    """Both sides over one sharedfs tier under `root` (`make_sides`' keywords)."""
+    return make_sides(root, [{"name": "shared", "kind": "sharedfs",
+                              "path": str(root / "shared"), "capacity": "64MiB"}], **kw)
+
+
 @pytest.fixture
 def sides(tmp_path):
-    s = make_sides(tmp_path, [{"name": "shared", "kind": "sharedfs",
-                               "path": str(tmp_path / "shared"), "capacity": "64MiB"}])
+    s = shared_sides(tmp_path)
     yield s
     close_sides(s)
 
@@ -279,9 +284,7 @@ ANY_DEADLINE = _Positive()
 
 @pytest.fixture
 def deadline_sides(tmp_path):
-    s = make_sides(tmp_path, [{"name": "shared", "kind": "sharedfs",
-                               "path": str(tmp_path / "shared"), "capacity": "64MiB"}],
-                   load_deadline=True)
+    s = shared_sides(tmp_path, load_deadline=True)
     yield s
     close_sides(s)
 
@@ -387,9 +390,7 @@ def test_by_default_the_scheduler_reads_the_tool_call_tokens_from_the_tokenizer(
     from engine_util import make_tiny_model, save_tokenizer
     model = make_tiny_model(tmp_path / "model")
     vocab = save_tokenizer(model, ["<tool_call>", "</tool_call>"])
-    s = make_sides(tmp_path, [{"name": "shared", "kind": "sharedfs",
-                               "path": str(tmp_path / "shared"), "capacity": "64MiB"}],
-                   model_config=ModelConfig(model=str(model), dtype="bfloat16"))
+    s = shared_sides(tmp_path, model_config=ModelConfig(model=str(model), dtype="bfloat16"))
     try:
         assert s.sched.tool_call_ids == {vocab["<tool_call>"]}
     finally:

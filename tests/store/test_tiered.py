@@ -360,7 +360,7 @@ def test_processes_sharing_a_pool_service_free_its_excess_once(tmp_path, mooncak
             s.tiers[0].usage.refresh()
         used = a.tiers[0].used_bytes()
         assert used == b.tiers[0].used_bytes() > 0.9 * (16 << 20)
-        assert 0.4 < a.tiers[0].own_share() < 0.6 and 0.4 < b.tiers[0].own_share() < 0.6
+        assert 0.4 < a.tiers[0].own_share(used) < 0.6 and 0.4 < b.tiers[0].own_share(used) < 0.6
         excess = used - 0.8 * (16 << 20)
         for s in (a, b):
             s.mover.tick()

@@ -437,8 +437,8 @@ class MooncakeTier(Tier):
     def used_bytes(self) -> int:
         return self.usage.used_bytes()
 
-    def own_share(self) -> float:
-        return self.usage.own_share()
+    def own_share(self, used: int) -> float:
+        return self.usage.own_share(used)
 
     def check(self, progress=None):
         return mooncake_check.check(self, progress)

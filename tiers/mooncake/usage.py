@@ -71,10 +71,9 @@ class PoolUsage:
         with self._lock:
             return min(self.capacity_bytes, self._mine_bytes)
 
-    def own_share(self) -> float:
-        """The fraction of `used_bytes` that frames this process put make up (1.0 when the
-        segment is empty)."""
-        used = self.used_bytes()
+    def own_share(self, used: int) -> float:
+        """The fraction of `used` (a `used_bytes` reading) that frames this process put make
+        up (1.0 when the segment is empty)."""
         with self._lock:
             mine = self._mine_bytes
         return 1.0 if used <= 0 else min(1.0, mine / used)
