@@ -73,7 +73,12 @@ class PoolUsage:
 
     def own_share(self, used: int) -> float:
         """The fraction of `used` (a `used_bytes` reading) that frames this process put make
-        up (1.0 when the segment is empty)."""
+        up: 1.0 for a process lending its own segment (the master's allocation counts its
+        allocator's rounding too, so frames over allocation would read below 1 and leave the
+        segment over its watermark), or when the segment is empty; with a pool service,
+        frames put over the service segment's allocation."""
+        if not self.client.cfg.service:
+            return 1.0
         with self._lock:
             mine = self._mine_bytes
         return 1.0 if used <= 0 else min(1.0, mine / used)
