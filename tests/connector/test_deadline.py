@@ -65,29 +65,38 @@ def test_a_stalled_lender_costs_the_deadline_then_a_recompute_not_a_hit(engines,
         hit, _ = ttft(b, warm)
         assert hit.kv_transfer_params["kvtier"]["hit_tokens"].get("dram", 0) > 0
     colds = [ttft(b, random_prompt(seed, LONG))[1] for seed in (3, 4, 5)]
-    prompt = random_prompt(6, LONG)
-    ttft(a, prompt)
-    wait_for(lambda: in_pool(cluster, prompt), 30, "a's saves of the prompt")
-    os.kill(a.pid, signal.SIGSTOP)  # its blocks lie in its segment, and it answers nothing
-    try:
-        out, stalled = ttft(b, prompt)
-    finally:
-        os.kill(a.pid, signal.SIGCONT)
+    # Three stalls, each on a prompt only a holds: one TTFT of ~0.2 s on a shared two-core
+    # host moves by tens of milliseconds, so the bound is checked on medians side by side
+    # and each stall against the slowest cold of the run.
+    stalls = []
+    for seed in (6, 16, 26):
+        prompt = random_prompt(seed, LONG)
+        ttft(a, prompt)
+        wait_for(lambda: in_pool(cluster, prompt), 30, "a's saves of the prompt")
+        os.kill(a.pid, signal.SIGSTOP)  # its blocks lie in its segment, and it answers nothing
+        try:
+            out, stalled = ttft(b, prompt)
+        finally:
+            os.kill(a.pid, signal.SIGCONT)  # the abandoned transfers end, their staging freed
+        kv = out.kv_transfer_params["kvtier"]
+        # Nothing of the promised hit landed: it counts as recomputed, not as a hit.
+        assert kv["hit_tokens"] == {}
+        assert kv["recomputed_tokens"] >= 0.9 * full_block_tokens(prompt)
+        assert out.token_ids == engines.baseline(prompt, 1).token_ids
+        assert stalled < OLD_STALL_S
+        stalls.append((stalled, max(kv["load_deadlines_ms"]) / 1e3))
     # cold before and after: a busy host slows both alike
     colds += [ttft(b, random_prompt(seed, LONG))[1] for seed in (7, 8, 9)]
     cold = statistics.median(colds)
-    kv = out.kv_transfer_params["kvtier"]
-    # Nothing of the promised hit landed: it counts as recomputed, not as a hit.
-    assert kv["hit_tokens"] == {}
-    assert kv["recomputed_tokens"] >= 0.9 * full_block_tokens(prompt)
-    assert out.token_ids == engines.baseline(prompt, 1).token_ids
-    deadline_s = max(kv["load_deadlines_ms"]) / 1e3
+    deadline_s = statistics.median(d for _, d in stalls)
+    stalled = statistics.median(t for t, _ in stalls)
     # waiting costs at most what recomputing saves: the deadline is the recompute b's own
     # model predicts (less 10%), within a quarter of the one measured beside it
     assert deadline_s < 1.25 * cold
     assert stalled <= 1.2 * (deadline_s + cold), \
         f"TTFT {stalled:.2f}s with a stalled lender; deadline {deadline_s:.2f}s, cold {cold:.2f}s"
-    assert stalled < OLD_STALL_S
+    for t, d in stalls:
+        assert t <= 1.2 * (d + max(colds)), f"stalls (TTFT, deadline) {stalls}, colds {colds}"
     # b's counters (what `kvtier inspect` shows) name the lender that stalled
     index_path = cluster.policy("b", tiers=("dram",))["index"]["path"]
 
