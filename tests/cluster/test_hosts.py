@@ -133,6 +133,21 @@ def test_hosts_are_swept_when_their_owner_died(tmp_path):
     assert not any((netns.NETNS_DIR / n).exists() for n in left)
 
 
+def test_ha_masters_on_two_hosts_elect_the_standby_and_keep_their_own_logs(tmp_path):
+    """The soak times a leader kill by what etcd names (`HostCluster.leader`), and each
+    master's own log is kept beside kvtier's lines (elections, warm-ups, restores)."""
+    c = HostCluster(3, tmp_path)
+    try:
+        c.start_ha(leader=0, standby=1, etcd=2)
+        assert c.leader() == c.ha_address(0)
+        c.kill_ha_master(0)
+        wait_until(lambda: c.leader() == c.ha_address(1), 30, "the standby's election")
+        for i in (0, 1):  # mooncake_master's own output (glog's), not only kvtier's lines
+            assert "InitGoogleLogging" in c.master_log(i).read_text(errors="replace")
+    finally:
+        c.close()
+
+
 @pytest.mark.slow
 def test_the_sim_replay_on_three_hosts_hits_as_on_one_and_counts_cross_host_hits(tmp_path):
     import json

@@ -334,12 +334,15 @@ class MooncakeClient:
                 return  # another thread reconnected while we waited
             if self._follows_leader():
                 self._down = False
+                log.warning("tier %r: %s answers; calls resume on the same client",
+                            self.cfg.name, self._where())
                 return
             new = _Handle(*self._new_store_lent())
             old, self._handle = self._handle, new
             self.segment = self._segment_name(new.store)
             self.replicate = self._replicate_config()  # the new segment is the local one
             self._down = False
+            log.warning("tier %r: reconnected to %s", self.cfg.name, self._where())
         # close() takes ~2 s and must wait for the calls still running on the old client.
         threading.Thread(target=old.close_when_idle, name="kvtier-mooncake-close",
                          daemon=True).start()

@@ -17,8 +17,11 @@ that answers again is back within one back-off). A lender with no failure for
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
+
+log = logging.getLogger(__name__)
 
 # The master's default client TTL (`mooncake_master -client_ttl`, 10 s): a lender cut off for
 # longer is dropped by the master, with its blocks, before its first mark lapses.
@@ -52,7 +55,10 @@ class Lenders:
                 strikes = (self._strikes.get(lender, 0)
                            if lapsed is not None and now - lapsed < MAX_BACKOFF_S else 0)
                 self._strikes[lender] = strikes + 1
-                self._until[lender] = now + min(MAX_BACKOFF_S, BACKOFF_S * 2 ** strikes)
+                backoff = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** strikes)
+                self._until[lender] = now + backoff
+                log.warning("lender %s: %d blocks failed or came late; its blocks count as "
+                            "misses for %.0f s", lender, counts[lender], backoff)
 
     def blocked(self) -> set[str]:
         """Lenders whose blocks do not count as hits now."""

@@ -54,6 +54,7 @@ class HostCluster:
         self.master_host: int | None = None
         self.master: subprocess.Popen | None = None
         self.etcd: str | None = None  # with `start_ha`: the etcd endpoint every policy names
+        self.etcd_host = 0            # and the host it runs on
         self.masters: dict[int, subprocess.Popen] = {}  # HA masters by host
 
     @classmethod
@@ -147,11 +148,17 @@ class HostCluster:
         self.master_host = i
         policy = self.write_policy(i, "master.yaml")
         log = open(self.home(i) / "master.log", "ab")
-        self.master = self.hosts.popen(i, kvtier_argv("master", "-p", str(policy)),
+        self.master = self.hosts.popen(i, kvtier_argv("master", "-p", str(policy), "--log",
+                                                      str(self.master_log(i))),
                                        stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
         self._wait(i, self.master_address, "kvtier master", self.master)
         return self.master_address
+
+    def master_log(self, i: int) -> Path:
+        """mooncake_master's own output on host i (glog's: its elections, warm-ups and
+        restores, to place a fault's story), beside `master.log`, kvtier's lines about it."""
+        return self.home(i) / "mooncake_master.log"
 
     def start_ha(self, leader: int, standby: int, etcd: int) -> None:
         """Mooncake's HA masters: etcd on host `etcd`, a master on `leader` started (and
@@ -167,21 +174,35 @@ class HostCluster:
                                     "--initial-cluster", f"kvtier={peer}", "--log-level",
                                     "warn"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         self._wait(etcd, f"{addr}:{ETCD_PORT}", "etcd", proc)
-        self.etcd = f"{addr}:{ETCD_PORT}"
+        self.etcd, self.etcd_host = f"{addr}:{ETCD_PORT}", etcd
         self.master_host = leader
         self.start_ha_master(leader)
         self.start_ha_master(standby)
 
+    def ha_address(self, i: int) -> str:
+        """The RPC address of host i's HA master."""
+        return f"{self.hosts.addresses[i]}:{MASTER_PORT}"
+
+    def leader(self) -> str | None:
+        """The HA leader etcd names now (its RPC address), asked from etcd's host; None
+        while none leads."""
+        probe = ("from kvtier.tiers.mooncake.ha import current_leader\n"
+                 f"l = current_leader([{self.etcd!r}])\nprint(l.address if l else '')")
+        got = subprocess.run(self.hosts.command(self.etcd_host, [sys.executable, "-c", probe]),
+                             capture_output=True, text=True, timeout=30)
+        return got.stdout.strip() or None
+
     def start_ha_master(self, i: int) -> None:
         """`kvtier master --ha` on host i, bound to its address; returns once it has joined
         the election (a standby answers no RPC until it leads)."""
-        address = f"{self.hosts.addresses[i]}:{MASTER_PORT}"
+        address = self.ha_address(i)
         policy = self.write_policy(i, "master.yaml")
         path = self.home(i) / "master.log"
         start = path.stat().st_size if path.exists() else 0
         with open(path, "ab") as log:
             proc = self.masters[i] = self.hosts.popen(
-                i, kvtier_argv("master", "-p", str(policy), "--ha", "--address", address),
+                i, kvtier_argv("master", "-p", str(policy), "--ha", "--address", address,
+                               "--log", str(self.master_log(i))),
                 stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         end = time.monotonic() + START_S
         while b"joined the election" not in path.read_bytes()[start:]:

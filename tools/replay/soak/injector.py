@@ -18,7 +18,9 @@ Faults (`FAULTS`, in this order):
   standby host]), `leader-kill`: the leading master SIGKILLed, the standby takes over, the
   old one joins again as standby after `cut_s`. The seconds from each one's end (link back,
   instances up; for a leader kill, the kill) to the next block served from the pool are its
-  recovery time, as for the master.
+  recovery time, as for the master. For a leader kill the seconds until etcd names the new
+  leader (`elected_s`) are recorded too: the rest of its recovery is the new leader's
+  warm-up and the clients' switch to it.
 Everything runs on the soak's own thread between two store calls (`tick`), so a master it
 starts lives as long as the soak (a master dies with the thread that started it). The
 corrupted keys are kept (`corrupted`) so that the end of the soak can read them back.
@@ -27,6 +29,8 @@ corrupted keys are kept (`corrupted`) so that the end of the soak can read them 
 from __future__ import annotations
 
 import random
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -65,6 +69,7 @@ class Injector:
         self.up_at: float | None = None                 # the master's last return
         self.recovery_s: list[float] = []
         self.unrecovered_s: list[float] = []            # waited this long, then no more soak
+        self.elected_s: list[float | None] = []         # per leader kill (None: none within)
 
     # ---- the clock -----------------------------------------------------------------------
 
@@ -138,6 +143,11 @@ class Injector:
         for kind, since in list(self.since.items()):
             self.recovery_by_fault.setdefault(kind, []).append(round(now - since, 2))
             del self.since[kind]
+            elected = (f" (etcd named the new leader after {self.elected_s[-1]:.1f} s)"
+                       if kind == "leader-kill" and self.elected_s and self.elected_s[-1]
+                       else "")
+            self.say(f"[{now:6.1f} s] pool hits again {now - since:.1f} s after the "
+                     f"{kind}{elected}")
         if self.up_at is not None:
             self.recovery_s.append(round(now - self.up_at, 2))
             self.say(f"[{now:6.1f} s] pool hits again {now - self.up_at:.1f} s after the "
@@ -196,10 +206,27 @@ class Injector:
         old, new = self.ha
         self.hosts.kill_ha_master(old)
         self.ha = [new, old]
+        self.elected_s.append(None)
+        threading.Thread(target=self._await_election, daemon=True, name="soak-election",
+                         args=(len(self.elected_s) - 1, self.hosts.ha_address(old),
+                               time.monotonic())).start()
         self._recovering("leader-kill", now, now)
         self.pending.append((now + self.cut_s, lambda t, i=old: self._standby_up(t, i)))
         self._record(now, "leader-kill", f"the leading master on host {old} SIGKILLed; the "
                      f"standby on host {new} takes over")
+
+    def _await_election(self, slot: int, killed: str, t0: float) -> None:
+        """Record when etcd names a leader other than the `killed` one (within `every_s`;
+        each ask takes a process in etcd's host, ~0.1-0.2 s)."""
+        while time.monotonic() - t0 < self.every_s:
+            try:
+                leader = self.hosts.leader()
+            except (OSError, subprocess.SubprocessError):
+                leader = None  # a slow or failed ask: ask again
+            if leader is not None and leader != killed:
+                self.elected_s[slot] = round(time.monotonic() - t0, 2)
+                return
+            time.sleep(0.05)
 
     def _standby_up(self, now: float, i: int) -> None:
         self.hosts.start_ha_master(i)

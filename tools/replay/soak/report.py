@@ -90,6 +90,8 @@ def by_fault(ivs: list[dict], inj) -> dict:
                      "recovery_median_s": round(statistics.median(rec), 2) if rec else None,
                      "unrecovered_s": inj.unrecovered_s if master else
                      inj.unrecovered_by_fault.get(kind, [])}
+    if "leader-kill" in out:  # how much of each recovery was the election
+        out["leader-kill"]["elected_s"] = list(inj.elected_s)
     return out
 
 
