@@ -335,15 +335,36 @@ class Mover:
 
     def make_room(self, tier: Tier, incoming: int) -> None:
         """Free space in `tier` so `incoming` bytes fit below its high watermark."""
+        if not self._evicts(tier):
+            return
         limit = self.cfg.high_watermark * tier.capacity_bytes
         used = tier.used_bytes()
         if used + incoming > limit:
             self.evict(tier, self._share_over(tier, used) + incoming)
 
     def _enforce_watermark(self, tier: Tier) -> None:
+        if not self._evicts(tier):
+            self._forget_overflow(tier)
+            return
         used = tier.used_bytes()
         if used > self.cfg.high_watermark * tier.capacity_bytes:
             self.evict(tier, self._share_over(tier, used))
+
+    def _evicts(self, tier: Tier) -> bool:
+        """Whether this store evicts from `tier`. Not from the last tier when its backend
+        evicts by every process's reads (a pool with nothing below it): a victim has
+        nowhere to go, and this process ranks only the blocks it put by its own reads of
+        them (measured: 56.5% hit against 60.8-61.5 with the master's order)."""
+        return not (tier.evicts_by_all_reads and tier is self.tiers[-1])
+
+    def _forget_overflow(self, tier: Tier) -> None:
+        """A tier this store does not evict drops blocks without telling it: what its policy
+        tracks beyond the tier's capacity it forgets, lowest ranked first (the blocks the
+        backend most likely dropped), so the policy's state stays bounded. Nothing is
+        deleted."""
+        over = self.placement.tracked_bytes(tier) - tier.capacity_bytes
+        if over > 0:
+            self.placement.on_remove(tier, self.placement.victims(tier, over))
 
     def _share_over(self, tier: Tier, used: int) -> int:
         """This process's part of what `tier` holds above its low watermark. Processes that

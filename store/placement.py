@@ -174,6 +174,11 @@ class Placement:
 
     # ---- questions from the mover -------------------------------------------------------
 
+    def tracked_bytes(self, tier) -> int:
+        """The bytes of the blocks `tier`'s policy tracks."""
+        with self._lock:
+            return self.policies[tier.name].used_bytes
+
     def victims(self, tier, need_bytes: int) -> list[str]:
         """What to remove from `tier` to free `need_bytes` (pinned blocks are skipped)."""
         now = self.clock()

@@ -145,6 +145,10 @@ class Tier(ABC):
     """One storage tier. Subclasses hold one backend; see the module docstring."""
 
     kind: str = ""
+    # The backend evicts by itself, in an order that sees every process's reads (the pool's
+    # master, by lease): a process's policy sees only its own. Where nothing lies below
+    # such a tier to demote to, the store leaves the evicting to the backend.
+    evicts_by_all_reads: bool = False
 
     def __init__(self, name: str, capacity_bytes: int):
         self.name = name

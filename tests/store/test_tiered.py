@@ -169,6 +169,37 @@ def test_watermark_demotes_instead_of_dropping(tmp_path, shared_master):
         assert check_loaded(store, keys) == [PAYLOAD] * n
 
 
+def test_a_pool_with_nothing_below_is_left_to_the_masters_eviction(tmp_path, shared_master):
+    """With no tier below, a victim has nowhere to go, and this process ranks only its own
+    blocks by its own reads: the store evicts nothing from the pool and the master does
+    (its order sees every client's reads). Its policy forgets what it tracks beyond the
+    pool's capacity, so its state stays bounded while the master drops blocks unseen."""
+    policy = make_policy(
+        tmp_path, master_address=shared_master.address,
+        mover={"interval_s": 0.05, "buffer": "8MiB"},
+        tiers=[{"name": "dram", "kind": "mooncake", "capacity": "16MiB", "buffer": "16MiB",
+                "staging": "8MiB"}])
+    with TieredStore(policy, mover=False) as store:
+        dram = store.tiers[0]
+        cap = dram.capacity_bytes
+        frame = block.frame_size(PAYLOAD)
+        n = int(cap * 2 // frame)
+        keys = block_keys(NS, range(16 * n))
+        stored = []
+        for i in range(0, n, 4):
+            stored += store.save(keys[i:i + 4], frames_for(keys[i:i + 4]), SessionHint("s"))
+            store.mover.drain()
+            store.mover.tick()
+        assert store.mover.stats["evicted_dram"] == 0  # the store deleted nothing
+        assert dram.counters()["deletes"] == 0
+        assert sum(stored) == n  # every save landed: the master made room itself
+        present = dram.contains(keys)
+        assert 0 < sum(present) < n  # it dropped the excess, and only that
+        assert store.placement.tracked_bytes(dram) <= cap
+        assert check_loaded(store, [k for k, p in zip(keys, present) if p]) == \
+            [PAYLOAD] * sum(present)
+
+
 def test_blocks_gone_from_every_tier_are_forgotten(tmp_path, shared_master):
     """The store's size memo lets go of a block no tier holds any more (it used to keep
     every block it ever tracked: a leak over a server's lifetime)."""
@@ -331,7 +362,8 @@ def test_blocks_another_node_lifted_are_not_asked_about_every_tick(tmp_path, sha
 def test_processes_sharing_a_pool_service_free_its_excess_once(tmp_path, mooncake_master):
     """Two nodes of one host join one pool service: both read the same segment's usage.
     When it passes the high watermark each frees its own share of the excess, so the excess
-    is freed once (each freeing all of it emptied the pool by the excess once per node)."""
+    is freed once (each freeing all of it emptied the pool by the excess once per node).
+    Each node has a tier below the pool: with none, the master does the evicting."""
     from kvtier.tiers.mooncake.master import free_port
     from kvtier.tiers.mooncake.service import PoolService
 
@@ -344,7 +376,9 @@ def test_processes_sharing_a_pool_service_free_its_excess_once(tmp_path, mooncak
             mover={"interval_s": 0.05, "buffer": "8MiB"}, admission={"kind": "always"},
             tiers=[{"name": "dram", "kind": "mooncake", "capacity": "16MiB",
                     "buffer": "16MiB", "staging": "8MiB", "service": service,
-                    "service_embedded": False}])
+                    "service_embedded": False},
+                   {"name": "shared", "kind": "sharedfs", "path": str(tmp_path / "shared"),
+                    "capacity": "64MiB"}])
 
     address = f"127.0.0.1:{free_port()}"
     svc_cfg = policy("svc", address)

@@ -74,6 +74,7 @@ class MooncakeTier(Tier):
     """Block frames in the Mooncake pool through this process's store client."""
 
     kind = "mooncake"
+    evicts_by_all_reads = True  # the master, in lease order, at its own high watermark
 
     def __init__(self, cfg: MooncakeTierConfig, ctx):
         super().__init__(cfg.name, cfg.capacity_bytes)
