@@ -17,10 +17,11 @@ from typing import Callable, Sequence
 
 from kvtier.store.base import block
 from kvtier.store.base.errors import TierError, TierFullError, TierUnavailableError
+from kvtier.store.base.repeats import thin
 from kvtier.store.frame_hold import FrameHold, PersistRisk
 from kvtier.tiers.base import MISS, Tier
 
-log = logging.getLogger(__name__)
+log = thin(logging.getLogger(__name__))  # a tier away: one line per message per 10 s
 TIER_COUNTERS = ("persist_misses", "demote_misses", "from_frames", "unheld")
 
 

@@ -30,11 +30,12 @@ from typing import Callable, Sequence
 
 from kvtier.store.base.errors import KVTierError
 from kvtier.store.base.index import Index
+from kvtier.store.base.repeats import thin
 from kvtier.store.counters import read_rates
 from kvtier.store.rates import LoadRates
 from kvtier.tiers.base import MISS
 
-log = logging.getLogger(__name__)
+log = thin(logging.getLogger(__name__))  # a tier away: one line per message per 10 s
 STUCK_MAX = 8
 RATES_REFRESH_S = 5.0
 LEAST_PRIORITY = 19  # nice value of a thread left behind by its deadline

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Sequence
 from kvtier.store.base.config import MoverConfig
 from kvtier.store.base.errors import TierError
 from kvtier.store.base.index import Index
+from kvtier.store.base.repeats import thin
 from kvtier.store.copier import Copier
 from kvtier.store.counters import write_counters
 from kvtier.store.frame_hold import FrameHold, PersistRisk
@@ -45,7 +46,7 @@ from kvtier.tiers.base import Tier
 if TYPE_CHECKING:
     from kvtier.store.placement import Placement
 
-log = logging.getLogger(__name__)
+log = thin(logging.getLogger(__name__))  # a tier away: one line per message per 10 s
 REAP_EVERY_S = 5.0
 ROWS_EVERY_S = 1.0  # how stale `inspect sessions` may show a session's blocks per tier
 NODE_LOCAL_KINDS = frozenset({"nvme"})

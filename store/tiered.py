@@ -43,6 +43,7 @@ from kvtier.store.base.config import Policy
 from kvtier.store.base.errors import TierError, TierUnavailableError
 from kvtier.store.base.index import Index
 from kvtier.store.base.keys import check_keys
+from kvtier.store.base.repeats import thin
 from kvtier.store.mover import Mover
 from kvtier.store.placement import Placement
 from kvtier.store.deadline import DeadlineLoads, LoadOutcome
@@ -51,7 +52,7 @@ from kvtier.tiers.base import MISS, InPlaceRun, Tier, TierContext
 from kvtier.tiers.mooncake.master import EmbeddedMaster, ensure_master
 from kvtier.tiers.registry import open_tier
 
-log = logging.getLogger(__name__)
+log = thin(logging.getLogger(__name__))  # a tier away: one line per message per 10 s
 
 
 @dataclass(frozen=True)
