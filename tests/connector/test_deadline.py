@@ -65,11 +65,11 @@ def test_a_stalled_lender_costs_the_deadline_then_a_recompute_not_a_hit(engines,
         hit, _ = ttft(b, warm)
         assert hit.kv_transfer_params["kvtier"]["hit_tokens"].get("dram", 0) > 0
     colds = [ttft(b, random_prompt(seed, LONG))[1] for seed in (3, 4, 5)]
-    # Three stalls, each on a prompt only a holds: one TTFT of ~0.2 s on a shared two-core
-    # host moves by tens of milliseconds, so the bound is checked on medians side by side
-    # and each stall against the slowest cold of the run.
+    # Five stalls, each on a prompt only a holds: one TTFT of ~0.2 s on a shared two-core
+    # host moves by tens of milliseconds (and one in a few by ~0.1 s: a fresh-clone CI run
+    # saw 0.36 s beside 0.24 and 0.25), so the bound is checked on medians side by side.
     stalls = []
-    for seed in (6, 16, 26):
+    for seed in (6, 16, 26, 36, 46):
         prompt = random_prompt(seed, LONG)
         ttft(a, prompt)
         wait_for(lambda: in_pool(cluster, prompt), 30, "a's saves of the prompt")
@@ -95,8 +95,10 @@ def test_a_stalled_lender_costs_the_deadline_then_a_recompute_not_a_hit(engines,
     assert deadline_s < 1.25 * cold
     assert stalled <= 1.2 * (deadline_s + cold), \
         f"TTFT {stalled:.2f}s with a stalled lender; deadline {deadline_s:.2f}s, cold {cold:.2f}s"
+    # No single stall waits on the lender: what a stalled transfer would cost is seconds
+    # (Mooncake gives up after 30 s), twice the deadline and a recompute is noise at most.
     for t, d in stalls:
-        assert t <= 1.2 * (d + max(colds)), f"stalls (TTFT, deadline) {stalls}, colds {colds}"
+        assert t <= 2 * (d + max(colds)), f"stalls (TTFT, deadline) {stalls}, colds {colds}"
     # b's counters (what `kvtier inspect` shows) name the lender that stalled
     index_path = cluster.policy("b", tiers=("dram",))["index"]["path"]
 
