@@ -39,7 +39,7 @@ class Repeats(logging.Filter):
             if len(self._seen) > MAX_KEPT:
                 del self._seen[next(iter(self._seen))]
         if dropped:
-            record.msg = f"{record.getMessage()} ({dropped} more like it in {now - last:.0f} s)"
+            record.msg = f"{key[1]} ({dropped} more like it in {now - last:.0f} s)"
             record.args = ()
         return True
 

@@ -186,10 +186,9 @@ class HostCluster:
     def leader(self) -> str | None:
         """The HA leader etcd names now (its RPC address), asked from etcd's host; None
         while none leads."""
-        probe = ("from kvtier.tiers.mooncake.ha import current_leader\n"
-                 f"l = current_leader([{self.etcd!r}])\nprint(l.address if l else '')")
-        got = subprocess.run(self.hosts.command(self.etcd_host, [sys.executable, "-c", probe]),
-                             capture_output=True, text=True, timeout=30)
+        got = self._python(self.etcd_host, (
+            "from kvtier.tiers.mooncake.ha import current_leader\n"
+            f"l = current_leader([{self.etcd!r}])\nprint(l.address if l else '')"))
         return got.stdout.strip() or None
 
     def start_ha_master(self, i: int) -> None:
@@ -233,11 +232,14 @@ class HostCluster:
     def answers(self, i: int, address: str, timeout_s: float = 0.5) -> bool:
         """Whether `address` accepts a TCP connection from host i."""
         host, port = address.rsplit(":", 1)
-        probe = ("import socket,sys\ntry:\n socket.create_connection((%r,%s),timeout=%r)\n"
-                 "except OSError:\n sys.exit(1)" % (host, port, timeout_s))
-        got = subprocess.run(self.hosts.command(i, [sys.executable, "-c", probe]),
-                             capture_output=True, timeout=30)
-        return got.returncode == 0
+        return self._python(i, (
+            "import socket,sys\ntry:\n socket.create_connection((%r,%s),timeout=%r)\n"
+            "except OSError:\n sys.exit(1)" % (host, port, timeout_s))).returncode == 0
+
+    def _python(self, i: int, code: str) -> subprocess.CompletedProcess:
+        """Run Python `code` on host i; its output as text."""
+        return subprocess.run(self.hosts.command(i, [sys.executable, "-c", code]),
+                              capture_output=True, text=True, timeout=30)
 
     def close(self) -> None:
         """Stop everything on every host and delete the hosts (always safe to call)."""
