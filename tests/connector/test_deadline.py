@@ -59,8 +59,8 @@ def test_a_stalled_lender_costs_the_deadline_then_a_recompute_not_a_hit(engines,
     a, b = engine(engines, cluster, "a"), engine(engines, cluster, "b")
     # b learns its own prefill cost (a few seconds of serving) and the pool's read rate from
     # real work first, as any engine that has served a while has.
-    for seed in range(10, 16):
-        ttft(b, random_prompt(seed, 1024 + 512 * (seed % 4)))
+    for seed in range(10, 16):  # sizes up to the test's own: the model is asked at LONG
+        ttft(b, random_prompt(seed, LONG // 4 * (1 + seed % 4)))
     for seed in (1, 2):
         warm = random_prompt(seed, LONG)
         ttft(a, warm)
