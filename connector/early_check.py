@@ -38,30 +38,37 @@ def check_lookup() -> None:
                 _check(getattr(cfg, "kv_connector_extra_config", None))
         vllm_config = frame.f_locals.get("self")
         if cfg is not None and type(vllm_config).__name__ == "VllmConfig":
-            _refuse(refusal(getattr(vllm_config, "model_config", None)))
+            _refuse(refusal(getattr(vllm_config, "model_config", None),
+                            getattr(vllm_config, "cache_config", None)))
             return
         frame = frame.f_back
 
 
-def refusal(model_config) -> str | None:
+def refusal(model_config, cache_config=None) -> str | None:
     """Why kvtier cannot serve the model of `model_config` (one line), or None if it can.
 
-    Models with recurrent state (state-space or linear-attention layers beside attention:
-    Jamba, Qwen3-Next, NemotronH, Granite 4.0-H, ...) keep per-request state that kvtier
-    does not store, so a hit would restore attention KV without it."""
+    Attention-free models have no KV to store. Models with recurrent state (state-space or
+    linear-attention layers beside attention: Jamba, Qwen3-Next, NemotronH, Granite 4.0-H,
+    ...) are served with vLLM's prefix caching off (`cache_config.enable_prefix_caching`
+    False): kvtier then stores the state a request reaches with its KV, and is the
+    engine's prefix cache. With it on (or not yet decided: vLLM's default is on) vLLM keeps
+    its own per-block copies of the state, which kvtier does not restore."""
     if model_config is None:
         return None
     try:
         hybrid, free = bool(model_config.is_hybrid), bool(model_config.is_attention_free)
     except AttributeError:  # another vLLM, or a config still being built: checked later
         return None
-    if not (hybrid or free):
-        return None
     archs = getattr(model_config, "architectures", None) or ["this model"]
-    what = "has no attention KV" if free else (
-        "keeps recurrent state (state-space or linear-attention layers) beside its attention")
-    return (f"kvtier cannot serve {archs[0]}: it {what}, and kvtier stores only attention "
-            "KV (full, sliding-window, MLA); serve it without the kvtier connector")
+    if free:
+        return (f"kvtier cannot serve {archs[0]}: it has no attention KV; serve it without "
+                "the kvtier connector")
+    if hybrid and getattr(cache_config, "enable_prefix_caching", None) is not False:
+        return (f"kvtier cannot serve {archs[0]} with vLLM's prefix caching on: it keeps "
+                "recurrent state (state-space or linear-attention layers) beside its "
+                "attention, which kvtier stores itself; serve it with "
+                "--no-enable-prefix-caching (kvtier is then its prefix cache)")
+    return None
 
 
 def _check(extra) -> None:

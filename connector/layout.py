@@ -39,8 +39,10 @@ PAYLOAD_FORMAT = "kvtier-v1:BL-HNC"
 # The payload format of each KV cache group kind, versioned on its own: the same bytes
 # order (`[H, N, C]` pages), but what a page means differs, so kinds never share blocks.
 # `full` keeps the first format's name, so full-attention blocks stored before stay valid.
+# `state`: a recurrent layer's state at one position (one page per layer: vLLM's state
+# bytes of a state-space or linear-attention layer, its convolution and SSM state).
 PAYLOAD_FORMATS = {"full": PAYLOAD_FORMAT, "mla": "kvtier-mla-v1:BL-HNC",
-                   "swa": "kvtier-swa-v1:BL-HNC"}
+                   "swa": "kvtier-swa-v1:BL-HNC", "state": "kvtier-state-v1:BL-HNC"}
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -16,6 +16,12 @@ is a miss). MLA's latent cache (`mla`) is one latent vector per token, the same 
 TP rank: its namespace leaves the TP rank and size out, so the blocks are stored once (by
 TP rank 0) and every rank reads them.
 
+A recurrent model (state-space or linear-attention layers beside attention: Granite 4.0-H,
+Jamba, NemotronH, Qwen3-Next) keeps one state per request, valid at one position. What is
+stored for such a position is keyed by an *end key* (`end_keys`: the chain of the chunks
+before it and the tokens after them): each recurrent group's state, and each attention
+group's part-chunk of KV before the position.
+
 With vLLM's hybrid memory allocator an engine keeps several KV cache groups (full attention
 beside sliding-window attention: Gemma 3, gpt-oss), each with its own block ids. Each group
 is stored under its own namespace (its kind, geometry, window and place among the groups):
@@ -60,6 +66,12 @@ class KVShape:
         return self.kind == "swa"
 
     @property
+    def stateful(self) -> bool:
+        """Whether the group holds a recurrent state per request, not KV per token (a
+        state-space or linear-attention layer): one page per layer, valid at one position."""
+        return self.kind == "state"
+
+    @property
     def block_bytes(self) -> int:
         return self.num_layers * self.heads * self.block_size * self.content_bytes
 
@@ -85,18 +97,20 @@ def kv_groups(kv_cache_config: Any, architecture: str = "this model") -> list[KV
 
     One group (the hybrid allocator off, or a model with one kind of attention layer) is
     stored as `full` or `mla`, every layer for every token, as before groups existed.
-    Several groups must each be full, MLA or sliding-window attention; any other kind
-    (state-space or linear-attention state, cross-attention, chunked local attention)
-    raises ConfigError naming the architecture and the kinds."""
+    Several groups must each be full, MLA or sliding-window attention, or the recurrent
+    state of state-space / linear-attention layers (`state`, vLLM's `MambaSpec`) beside
+    full attention, kept by vLLM per request (`mamba_cache_mode` "none": prefix caching
+    off); any other kind (cross-attention, chunked local attention) or combination raises
+    ConfigError naming the architecture and the kinds."""
     from vllm.v1.kv_cache_interface import (AttentionSpec, FullAttentionSpec,
-                                            MLAAttentionSpec, SlidingWindowSpec)
+                                            MambaSpec, MLAAttentionSpec, SlidingWindowSpec)
 
     groups = kv_cache_config.kv_cache_groups
     specs = [g.kv_cache_spec for g in groups]
     several = len(groups) > 1
     if several:
-        ok = all(type(s) in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
-                 for s in specs)
+        ok = all(type(s) in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec,
+                             MambaSpec) for s in specs)
     else:
         ok = len(specs) == 1 and isinstance(specs[0], AttentionSpec)
     if not ok:
@@ -106,17 +120,38 @@ def kv_groups(kv_cache_config: Any, architecture: str = "this model") -> list[KV
             isinstance(s, AttentionSpec) for s in specs) else \
             "serve it without the kvtier connector"
         raise ConfigError(f"kvtier cannot serve {architecture}: its KV cache groups are "
-                          f"[{kinds}], kvtier stores full-attention, MLA and sliding-window "
-                          f"groups; {fix}")
+                          f"[{kinds}], kvtier stores full-attention, MLA, sliding-window "
+                          f"and recurrent-state groups; {fix}")
     if several and all(isinstance(s, SlidingWindowSpec) for s in specs):
         raise ConfigError(f"kvtier cannot serve {architecture}: all its KV cache groups are "
                           "sliding-window, kvtier needs a full-attention group beside them; "
                           "serve it with --disable-hybrid-kv-cache-manager")
+    states = [s for s in specs if isinstance(s, MambaSpec)]
+    if states:
+        _check_states(architecture, specs, states)
     return [_group_shape(kv_cache_config, i, len(groups)) for i in range(len(groups))]
 
 
+def _check_states(architecture: str, specs: list[Any], states: list[Any]) -> None:
+    """Raise ConfigError unless kvtier can restore these recurrent groups: states kept per
+    request (not vLLM's own per-block copies) beside full attention only."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+    modes = {s.mamba_cache_mode for s in states}
+    if modes != {"none"}:
+        raise ConfigError(f"kvtier cannot serve {architecture} with vLLM's prefix caching on "
+                          f"(mamba_cache_mode {'/'.join(sorted(modes))}): kvtier keeps the "
+                          "recurrent state itself; serve it with --no-enable-prefix-caching "
+                          "(kvtier is then its prefix cache)")
+    others = {type(s).__name__ for s in specs if not isinstance(s, MambaSpec)}
+    if others != {FullAttentionSpec.__name__}:
+        raise ConfigError(f"kvtier cannot serve {architecture}: its KV cache groups mix "
+                          f"recurrent state with [{', '.join(sorted(others))}], kvtier "
+                          "restores state beside full attention only; serve it without the "
+                          "kvtier connector")
+
+
 def _group_shape(kv_cache_config: Any, i: int, n: int) -> KVShape:
-    from vllm.v1.kv_cache_interface import (MLAAttentionSpec, SlidingWindowSpec,
+    from vllm.v1.kv_cache_interface import (MambaSpec, MLAAttentionSpec, SlidingWindowSpec,
                                             compute_layer_kv_cache_shape_bytes)
 
     group = kv_cache_config.kv_cache_groups[i]
@@ -124,6 +159,11 @@ def _group_shape(kv_cache_config: Any, i: int, n: int) -> KVShape:
     names = set(group.layer_names)
     layers = sum(len(names.intersection(t.layers)) for t in kv_cache_config.kv_cache_tensors)
     _, heads, tokens, content = compute_layer_kv_cache_shape_bytes(spec, 1)
+    if isinstance(spec, MambaSpec):  # one page of state bytes per layer and request
+        dtype = "/".join(str(d).removeprefix("torch.") for d in spec.dtypes)
+        shapes = ";".join("x".join(map(str, s)) for s in spec.shapes)
+        return KVShape(layers, heads, tokens, content, f"{dtype}:{shapes}", "state", 0, i, n,
+                       tuple(group.layer_names))
     dtype = str(spec.dtype).removeprefix("torch.")
     quant = getattr(spec, "kv_quant_mode", None)
     if quant is not None and getattr(quant, "name", "NONE") != "NONE":
@@ -144,7 +184,7 @@ def kv_shape(kv_cache_config: Any, architecture: str = "this model") -> KVShape:
 
 
 def primary(shapes: list[KVShape]) -> KVShape:
-    return next(s for s in shapes if not s.windowed)
+    return next(s for s in shapes if not (s.windowed or s.stateful))
 
 
 def make_namespace(vllm_config: Any, shape: KVShape, policy: Policy,

@@ -67,6 +67,7 @@ from kvtier.connector.stats import KVTierStats
 from kvtier.connector.tool_calls import detect_tool_call_ids, gap_class
 from kvtier.store.base.block import HEADER_SIZE
 from kvtier.store.base.errors import KVTierError
+from kvtier.store.base.keys import end_keys
 from kvtier.store.placement import PIN_S
 from kvtier.store.tiered import SessionHint
 
@@ -94,6 +95,9 @@ class _Plan:
     tiers: tuple[str, ...]
     sync: bool
     deadline_s: float | None = None
+    tail: int = 0                # recurrent models: tokens of the hit past its chunks
+    end_key: str | None = None   # recurrent models: the key of the hit's end (`_state_end`)
+    end_tier: str | None = None
 
 
 @dataclass
@@ -117,6 +121,7 @@ class _Req:
     load_failed: bool = False    # a load fell short: recompute, do not promise again
     looked_up: list[str] = field(default_factory=list)  # the keys of the last lookup
     window_ends: set[int] = field(default_factory=set)  # hit ends a lookup found no window at
+    ends: set[int] = field(default_factory=set)  # recurrent models: positions a state is saved at
     saved_chunks: int = 0
     loads: dict[str, int] = field(default_factory=lambda: {"async": 0, "sync": 0})
     scheduled: bool = False      # its blocks hold computed (or loaded) KV
@@ -129,8 +134,14 @@ class SchedulerSide:
         self.shape = primary(groups)
         self.ns = make_namespace(vllm_config, self.shape, cfg.policy)
         # the other groups: (shape, its namespace fingerprint at rank 0)
-        self.others = [(g, make_namespace(vllm_config, g, cfg.policy).fingerprint())
-                       for g in groups if g is not self.shape]
+        named = [(g, make_namespace(vllm_config, g, cfg.policy).fingerprint())
+                 for g in groups if g is not self.shape]
+        self.others = [(g, fp) for g, fp in named if not g.stateful]
+        self.states = [(g, fp) for g, fp in named if g.stateful]  # recurrent groups
+        self.fp = self.ns.fingerprint()
+        # With speculative decoding a decode step's state depends on how many drafts were
+        # accepted: recurrent states are then saved at prompt ends only.
+        self.decode_ends = getattr(vllm_config, "speculative_config", None) is None
         self.chunk = cfg.policy.chunk_tokens
         self.m = self.chunk // self.shape.block_size
         self.tier_kinds = {t.name: t.kind for t in cfg.policy.tiers}
@@ -203,14 +214,68 @@ class SchedulerSide:
         self.stats.add("lookup_tokens", max(0, limit * self.chunk - num_computed))
         hits, deadline = self._plan(st, found, first)
         hits = self._others_hold(st, keys, first, hits)
-        external = hits * self.chunk - num_computed
-        if hits <= first or external <= 0:
+        tail, end_key, end_tier = 0, None, None
+        if self.states:
+            if num_computed or st.load_failed or hits < found.hit_blocks and self.deadlines:
+                hits = 0  # a state is only where it was stored: all of the hit or none
+            else:
+                hits, tail, end_key, end_tier = self._state_end(st, hits)
+        external = hits * self.chunk + tail - num_computed
+        if external <= 0:
             st.plan = None
             return 0, False
         sync = self._load_sync(st)
         st.plan = _Plan(num_computed, first, hits - first, found.tiers[first:hits], sync,
-                        deadline)
+                        deadline, tail, end_key, end_tier)
         return external, not sync
+
+    def _end_key(self, st: _Req, pos: int) -> str:
+        """The end key of `st`'s tokens [0, pos) (primary namespace)."""
+        c = pos // self.chunk
+        keys = self._keys(st, c)
+        tokens = st.request.all_token_ids[c * self.chunk:pos]
+        return end_keys(self.fp, tokens, st.salt, keys[c - 1] if c else None)[-1]
+
+    def _state_end(self, st: _Req, hits: int) -> tuple[int, int, str | None, str | None]:
+        """(chunks, tail tokens, end key, tier) of the furthest position a hit on a
+        recurrent model can end at: at most the `hits` chunks found, plus the part of the
+        next chunk, where every recurrent group's state and every attention group's
+        part-chunk before it are stored; (0, 0, None, None) where none is.
+
+        States are stored where a step ended computing a request (each prefill step, and
+        the request's end), so an end is looked for at every token of the chunks the hit
+        could end in (the one past the found chunks, and the last found one: the previous
+        turn may have saved it whole) and at each chunk boundary below."""
+        req, C = st.request, self.chunk
+        last = req.num_tokens - 1  # vLLM computes at least the last token
+        cands: list[tuple[int, str]] = []  # (position, end key), furthest first
+        for c in (hits, hits - 1):
+            n = min(C - 1, last - c * C)
+            if c < 0 or n < 0:
+                continue
+            ks = end_keys(self.fp, req.all_token_ids[c * C:c * C + n], st.salt,
+                          st.keys[c - 1] if c else None)
+            cands += [(c * C + t, k) for t, k in reversed(list(enumerate(ks)))]
+        cands += [(c * C, end_keys(self.fp, (), st.salt, st.keys[c - 1])[0])
+                  for c in range(max(0, hits - 2), 0, -1)]
+        cands = [(p, k) for p, k in cands if 0 < p <= last]
+        if not cands:
+            return 0, 0, None, None
+        parts = [fp for _, fp in self.states]
+        tails = [self.fp] + [fp for _, fp in self.others]
+        asks = [rank_keys([k for _, k in cands], fp) for fp in parts + tails]
+        try:
+            where = self.store.where([k for ks in asks for k in ks])
+        except KVTierError as e:
+            log.warning("kvtier: lookup of recurrent states failed: %s", e)
+            return 0, 0, None, None
+        n = len(cands)
+        for i, (pos, key) in enumerate(cands):
+            need = len(parts) + (len(tails) if pos % C else 0)
+            got = [where[j * n + i] for j in range(need)]
+            if all(got):
+                return pos // C, pos % C, key, got[-1]
+        return 0, 0, None, None
 
     def _plan(self, st: _Req, found: Any, first: int) -> tuple[int, float | None]:
         """(chunks of the chain to count as hit, the load's deadline): the prefix of the hit
@@ -283,13 +348,19 @@ class SchedulerSide:
         n = min(plan.hits, -(-(plan.num_computed + num_external) // self.chunk) - plan.first)
         rows = self._rows(ids, range(plan.first, plan.first + n))
         skip = plan.num_computed // self.shape.block_size - plan.first * self.m
-        self._loads.append(LoadJob(request.request_id, st.keys[plan.first:plan.first + n],
-                                   rows, skip, list(plan.tiers[:n]), plan.sync,
-                                   plan.deadline_s, self.shape.group))
+        job = LoadJob(request.request_id, st.keys[plan.first:plan.first + n], rows, skip,
+                      list(plan.tiers[:n]), plan.sync, plan.deadline_s, self.shape.group)
+        self._loads.append(self._with_tail(job, plan, ids, self.fp))
         for shape, fp in self.others:
             job = self._group_load(st, shape, fp, all_ids[shape.group], plan, n)
-            if job is not None:
-                self._loads.append(job)
+            if job is not None or plan.tail:
+                job = job or LoadJob(request.request_id, [], [], 0, [], plan.sync,
+                                     plan.deadline_s, shape.group)
+                self._loads.append(self._with_tail(job, plan, all_ids[shape.group], fp))
+        for shape, fp in self.states:
+            self._loads.append(LoadJob(request.request_id, rank_keys([plan.end_key], fp),
+                                       [all_ids[shape.group][:1]], 0, [plan.end_tier],
+                                       plan.sync, plan.deadline_s, shape.group))
         st.loads["sync" if plan.sync else "async"] += 1
         st.loaded_upto = st.saved_upto = plan.first + n
         if plan.deadline_s is not None:
@@ -297,6 +368,24 @@ class SchedulerSide:
         promise = self._promise(plan, n, num_external)
         st.promises.append(promise)
         st.sources = self._sources(promise)
+
+    def _tail_row(self, ids: list[int], pos: int) -> list[int]:
+        """The blocks of one group's part-chunk before `pos` (a recurrent model's hit end),
+        as a chunk's row: the blocks past `pos` are vLLM's null block, never read; [] if
+        `ids` do not reach `pos` (vLLM allocates a hit's blocks before it is loaded, so
+        only a save can meet that)."""
+        c, k = pos // self.chunk, -(-(pos % self.chunk) // self.shape.block_size)
+        row = ids[c * self.m:c * self.m + k]
+        return row + [NULL_BLOCK] * (self.m - k) if len(row) == k else []
+
+    def _with_tail(self, job: LoadJob, plan: _Plan, ids: list[int], fp: str) -> LoadJob:
+        """`job` with the part-chunk of the hit's end appended (recurrent models)."""
+        if not plan.tail:
+            return job
+        pos = (plan.first + plan.hits) * self.chunk + plan.tail
+        return replace(job, keys=job.keys + rank_keys([plan.end_key], fp),
+                       block_ids=job.block_ids + [self._tail_row(ids, pos)],
+                       tiers=(job.tiers + [plan.end_tier]) if job.tiers else [])
 
     def _group_load(self, st: _Req, shape: Any, fp: str, ids: list[int], plan: _Plan,
                     n: int) -> LoadJob | None:
@@ -317,12 +406,15 @@ class SchedulerSide:
                        max(local, nulls), [], plan.sync, plan.deadline_s, shape.group)
 
     def _promise(self, plan: _Plan, n: int, num_external: int) -> list[tuple[str, int]]:
-        """(tier, tokens) of each chunk of the load: the first starts inside the local hit."""
+        """(tier, tokens) of each chunk of the load: the first starts inside the local hit;
+        a recurrent model's part-chunk last."""
         out, left = [], num_external
         for c, tier in enumerate(plan.tiers[:n]):
             tokens = min(left, self.chunk - (plan.num_computed % self.chunk if c == 0 else 0))
             left -= tokens
             out.append((tier, tokens))
+        if plan.tail:
+            out.append((plan.end_tier, left))
         return out
 
     def _sources(self, promise: list[tuple[str, int]]) -> dict[CacheHitSource, int]:
@@ -385,7 +477,9 @@ class SchedulerSide:
             local = new.num_computed_tokens // self.chunk
             # A failed load truncated num_computed_tokens: re-save what gets recomputed.
             st.saved_upto = local if st.loaded_upto is None else min(st.loaded_upto, local)
-            self._plan_save(st, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id])
+            pos = new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]
+            self._plan_save(st, pos)
+            self._save_end(st, pos)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self.reqs.get(req_id)
@@ -398,13 +492,17 @@ class SchedulerSide:
             else:
                 if new_ids:
                     st.block_ids.extend(new_ids[self.shape.group])
-                    for shape, _ in self.others:
+                    for shape, _ in self.others + self.states:
                         st.group_ids.setdefault(shape.group, []).extend(new_ids[shape.group])
                 if st.loaded_upto is not None and computed < st.saved_upto * self.chunk:
                     # A synchronous load failed: vLLM truncated the request at its first bad
                     # block and recomputes from there; save what it recomputes.
                     st.saved_upto = computed // self.chunk
-            self._plan_save(st, computed + out.num_scheduled_tokens[req_id])
+            n = out.num_scheduled_tokens[req_id]
+            self._plan_save(st, computed + n)
+            if self.states:
+                last = st.request.num_output_tokens + n >= (st.request.max_tokens or 0) > 0
+                self._save_end(st, computed + n, last=last)
         meta = KVTierMetadata(self._loads, self._saves, self._hold, self._events, work,
                               prefill, continues)
         self._loads, self._saves, self._hold, self._events = [], [], [], []
@@ -413,7 +511,8 @@ class SchedulerSide:
     def _set_ids(self, st: _Req, ids: Any) -> None:
         """The request's block ids, per group (`ids`: vLLM's tuple of lists, or None)."""
         st.block_ids = list(ids[self.shape.group]) if ids else []
-        st.group_ids = {s.group: list(ids[s.group]) if ids else [] for s, _ in self.others}
+        st.group_ids = {s.group: list(ids[s.group]) if ids else []
+                        for s, _ in self.others + self.states}
 
     def _step_work(self, out: Any) -> tuple[tuple[float, float], bool, bool]:
         """What this step's forward computes, as `RecomputeModel` counts it; whether some
@@ -430,9 +529,10 @@ class SchedulerSide:
                 any(n > 1 for n, _, _ in work), continues)
 
     def has_pending_push_work(self) -> bool:
-        """Events not yet handed to the workers: the engine must step once more (a turn that
-        ends the engine's last request would otherwise never reach the mover)."""
-        return bool(self._events)
+        """Events or saves not yet handed to the workers: the engine must step once more (a
+        turn that ends the engine's last request would otherwise never reach the mover, and
+        what it saves at its end would wait for the next request)."""
+        return bool(self._events or self._saves or self._hold)
 
     def _forward_lookup(self, st: _Req, keys: list[str], hits: int, held: int) -> None:
         """Queue a lookup for the workers' stores. vLLM asks again every step for a request
@@ -464,6 +564,34 @@ class SchedulerSide:
         st.saved_chunks += done - st.saved_upto
         st.saved_upto = done
         return True
+
+    def _save_end(self, st: _Req, pos: int, block_ids: Any = None, last: bool = False) -> bool:
+        """Recurrent models: save what a hit ending at `pos` needs, where a step ended
+        computing the request: a step that computes prompt tokens, or (`last`) its last
+        step, known by its `max_tokens`, or its end (gathered in the next step), not every
+        decoded token. That is each recurrent group's state, which vLLM keeps in the
+        request's first block of that group, and inside a chunk each attention group's
+        part-chunk before `pos`. True if a job was added."""
+        req = st.request
+        if not self.states or pos <= 0 or pos in st.ends or pos > len(req.all_token_ids) \
+                or not (last and self.decode_ends or pos <= req.num_prompt_tokens):
+            return False
+        key = self._end_key(st, pos)
+        states = [(g, fp, self._ids(st, g.group, block_ids)[:1]) for g, fp in self.states]
+        tails = [(g, fp, self._tail_row(self._ids(st, g.group, block_ids), pos))
+                 for g, fp in [(self.shape, self.fp)] + self.others] if pos % self.chunk else []
+        if any(not row or row[0] == NULL_BLOCK for _, _, row in states + tails):
+            return False  # the blocks are not there: nothing is stored at this end
+        st.ends.add(pos)
+        self._saves.extend(SaveJob(req.request_id, rank_keys([key], fp), [row], st.hint,
+                                   g.group) for g, fp, row in states + tails)
+        return True
+
+    def _ids(self, st: _Req, group: int, block_ids: Any = None) -> list[int]:
+        """One group's block ids of `st`: from vLLM's per-group lists, else the tracked."""
+        if block_ids is not None:
+            return list(block_ids[group])
+        return st.block_ids if group == self.shape.group else st.group_ids.get(group, [])
 
     def _group_save(self, st: _Req, shape: Any, fp: str, ids: list[int], start: int,
                     done: int) -> None:
@@ -512,6 +640,8 @@ class SchedulerSide:
             self._settle(st, len(st.promises[0]))
         # never scheduled (aborted while loading): its blocks hold nothing to save
         hold = st.scheduled and self._plan_save(st, request.num_computed_tokens, block_ids)
+        if st.scheduled and self._save_end(st, request.num_computed_tokens, block_ids, True):
+            hold = True  # the state and part-chunk are gathered in the next step
         hint = replace(st.hint or SessionHint(), gap_class=gap_class(request, self.tool_call_ids))
         if st.looked_up and self.forward:
             self._events.append(StoreEvent("finish", st.looked_up, hint=hint))

@@ -12,7 +12,9 @@ through `get_block_ids_with_load_errors` in the same step as their request.
 
 Several KV cache groups (vLLM's hybrid allocator): each group has its own paged view of its
 layers (groups may share the memory of one KV tensor: their block ids never overlap), its
-own staging and I/O thread and its own namespace; a job names its group. A request's load
+own staging and I/O thread and its own namespace; a job names its group. A recurrent
+group's frame is one state: a page of state bytes per layer, from the request's
+block. A request's load
 is done when every group's job for it is, and counts as loaded only if all of them loaded
 everything (vLLM then takes failures per request: `failed_recving`, never block ids).
 """
@@ -66,6 +68,7 @@ class _Group:
         self.paged: PagedKV | None = None
         self.io: IOThread | None = None
         self.save_pool: StagingPool | None = None
+        self.m = 0  # vLLM blocks per frame
 
 
 class WorkerSide:
@@ -105,14 +108,16 @@ class WorkerSide:
                 {n: kv_caches[n] for n in g.shape.layer_names if n in kv_caches}
             g.paged = PagedKV(layers, self.num_blocks, g.shape.block_size)
             check_layout(g.paged.info, g.shape)
-            payload_len = self.m * g.paged.info.block_bytes
+            # a chunk's frame holds its blocks; a recurrent group's holds one state
+            g.m = 1 if g.shape.stateful else self.m
+            payload_len = g.m * g.paged.info.block_bytes
             stride = block.frame_size(payload_len, block.PAGE)
             per_buffer = max(1, self.cfg.staging_buffer_bytes // stride)
             device = g.paged.device
             g.save_pool = StagingPool(per_buffer, stride, device, self.cfg.staging_buffers,
                                       self._register, alloc)
             load_pool = StagingPool(per_buffer, stride, device, 1, self._register, alloc)
-            g.io = IOThread(self.store, g.paged, load_pool, g.save_pool, self.m,
+            g.io = IOThread(self.store, g.paged, load_pool, g.save_pool, g.m,
                             payload_len, self.stats, self.stats_lock)
             log.info("kvtier: %sKV layout %s%s, %d layers, %d-byte chunks, namespace %s",
                      f"{g.shape.kind} group {g.shape.group}: " if len(self.groups) > 1 else "",
@@ -232,7 +237,7 @@ class WorkerSide:
         step = group.save_pool.capacity
         for s in range(0, len(keys), step):
             buf = group.save_pool.acquire()  # waits while all are in flight: backpressure
-            ready = stage_save(group.paged, buf, job.block_ids[s:s + step], self.m)
+            ready = stage_save(group.paged, buf, job.block_ids[s:s + step], group.m)
             if ready is not None and job.req_id in self._held:  # its blocks wait for this
                 self._gathers.setdefault(job.req_id, []).append(ready)
             group.io.submit_save(SaveBatch(job.req_id, keys[s:s + step], buf, job.hint,

@@ -3,7 +3,7 @@
 Primitives (batched; a miss is a value):
 - `lookup(keys, hint) -> LookupResult`: the longest prefix of `keys` held by any tier, and the
   tier that holds each block, in one pass (one `contains` per tier: one master query, one
-  LMDB read transaction, one stat batch).
+  LMDB read transaction, one stat batch). `where(keys)`: the same, each key on its own.
 - `load(keys, outs) -> list[int]`: each block from the fastest tier that holds it, verified;
   payload length or `MISS`. A hit below the first tier may schedule a promotion.
 - `locate(keys, where)` then `confirm(keys, runs, checksums)`: blocks of the first tier the
@@ -144,9 +144,22 @@ class TieredStore:
         check_keys(keys)
         if not 0 <= held <= len(keys):
             raise ValueError(f"held={held} is outside 0..{len(keys)} (the number of keys)")
+        found = self._where(keys, held)
+        hits = next((i for i in range(held, len(keys)) if found[i] is None), len(keys))
+        if observe:
+            self.placement.on_lookup(keys, hits, hint, held)
+        return LookupResult(hits, tuple(found[:hits]))
+
+    def where(self, keys: Sequence[str]) -> list[str | None]:
+        """The fastest tier holding each of `keys` (None: none holds it), each key on its
+        own (not a prefix); no bookkeeping: an answer only."""
+        check_keys(keys)
+        return self._where(keys, 0)
+
+    def _where(self, keys: Sequence[str], start: int) -> list[str | None]:
         found: list[str | None] = [None] * len(keys)
         for tier in self.tiers:
-            todo = [i for i in range(held, len(keys)) if found[i] is None]
+            todo = [i for i in range(start, len(keys)) if found[i] is None]
             if not todo:
                 break
             try:
@@ -157,10 +170,7 @@ class TieredStore:
             for i, hit in zip(todo, present):
                 if hit:
                     found[i] = tier.name
-        hits = next((i for i in range(held, len(keys)) if found[i] is None), len(keys))
-        if observe:
-            self.placement.on_lookup(keys, hits, hint, held)
-        return LookupResult(hits, tuple(found[:hits]))
+        return found
 
     def observe_lookup(self, keys: Sequence[str], hits: int, hint: SessionHint | None = None,
                        held: int = 0) -> None:

@@ -10,6 +10,10 @@ seeded, so every process that builds one gets the same weights:
   with block size 16 and turns its own prefix caching off.
 - `swa`: a 2-layer Gemma 3 text shape, one sliding-window layer beside one full-attention
   layer (two KV cache groups when vLLM's hybrid allocator is on).
+- `hybrid`: a 2-layer Granite 4.0-H shape (`GraniteMoeHybrid`, no experts), one Mamba2
+  layer beside one full-attention layer: a recurrent-state group and an attention group.
+  vLLM's CPU build runs it with prefix caching off only (its prefix caching keeps per-block
+  states through a kernel path the CPU build lacks), so kvtier is its prefix cache.
 """
 
 from __future__ import annotations
@@ -32,15 +36,23 @@ TINY_SWA = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hid
                 max_position_embeddings=65536, initializer_range=0.05, rms_norm_eps=1e-5,
                 sliding_window=128, layer_types=["sliding_attention", "full_attention"],
                 tie_word_embeddings=False)
-# vLLM's block size each kind runs with on the CPU build (CPU_MLA takes 16 only)
-BLOCK_SIZE = {"llama": 32, "mla": 16, "swa": 32}
+TINY_HYBRID = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=65536, initializer_range=0.05, rms_norm_eps=1e-5,
+                   tie_word_embeddings=False, layer_types=["mamba", "attention"],
+                   mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1,
+                   mamba_expand=1, mamba_chunk_size=64, mamba_d_conv=4, num_local_experts=0,
+                   shared_intermediate_size=512)
+# vLLM's block size each kind runs with on the CPU build (CPU_MLA takes 16 only; a hybrid's
+# attention page must hold a Mamba layer's state: 64 tokens do)
+BLOCK_SIZE = {"llama": 32, "mla": 16, "swa": 32, "hybrid": 64}
 MODEL_KINDS = tuple(BLOCK_SIZE)
 # `LLM(...)` arguments each kind needs on the CPU build. The CPU `rotary_embedding` kernel
 # rotated the rope part of some of MLA's latent rows twice (measured: the first tokens an
 # engine computed after a hit, their k_pe turned by a second position), so the MLA model
 # takes vLLM's native rope; with it a hit gives the cold engine's tokens exactly.
 ENGINE_ARGS: dict[str, dict[str, Any]] = {
-    "llama": {}, "swa": {},
+    "llama": {}, "swa": {}, "hybrid": {"enable_prefix_caching": False},
     "mla": {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}}
 
 
@@ -52,6 +64,9 @@ def _build(kind: str, overrides: dict[str, Any]):
         return tf.DeepseekV2ForCausalLM(tf.DeepseekV2Config(**{**TINY_MLA, **overrides}))
     if kind == "swa":
         return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**{**TINY_SWA, **overrides}))
+    if kind == "hybrid":
+        return tf.GraniteMoeHybridForCausalLM(
+            tf.GraniteMoeHybridConfig(**{**TINY_HYBRID, **overrides}))
     raise ValueError(f"unknown model kind {kind!r}; use one of {', '.join(MODEL_KINDS)}")
 
 

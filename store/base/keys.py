@@ -21,6 +21,7 @@ CHAIN_HEX = 32
 KEY_HEX = NS_HEX + CHAIN_HEX
 _CHAIN_BYTES = CHAIN_HEX // 2
 _PERSON = b"kvtier-chain-v1"
+_END_PERSON = b"kvtier-end-v1"
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -64,6 +65,26 @@ def chunk_hashes(tokens: Sequence[int] | np.ndarray, chunk_tokens: int,
         parent = hashlib.blake2b(parent + data[i * step:(i + 1) * step],
                                  digest_size=_CHAIN_BYTES, person=_PERSON).digest()
         out.append(parent)
+    return out
+
+
+def end_keys(ns_fingerprint: str, tokens: Sequence[int] | np.ndarray, salt: bytes = b"",
+             after: str | None = None) -> list[str]:
+    """Keys of the ends `after` + `tokens[:t]` for t = 0..len(tokens): one per token position
+    a sequence can stop at inside the chunk that follows `after` (the key of the chunk just
+    before, None at the start). A distinct family from the chunk keys (its own
+    personalization: an end key never equals a chunk key), for what is stored at one exact
+    position (a recurrent model's state there, and the part-chunk of KV before it)."""
+    if after is None:
+        parent = hashlib.blake2b(salt, digest_size=_CHAIN_BYTES, person=_PERSON).digest()
+    else:
+        parent = bytes.fromhex(check_key(after)[NS_HEX:])
+    h = hashlib.blake2b(parent, digest_size=_CHAIN_BYTES, person=_END_PERSON)
+    out = [ns_fingerprint + h.hexdigest()]
+    data = np.ascontiguousarray(np.asarray(tokens, dtype="<u4")).tobytes()
+    for i in range(0, len(data), 4):
+        h.update(data[i:i + 4])
+        out.append(ns_fingerprint + h.hexdigest())
     return out
 
 

@@ -133,8 +133,9 @@ def cluster(tmp_path_factory):
 class Engines:
     """Named engine processes, started on first use, shared by a module's tests."""
 
-    def __init__(self, model: Path, logs: Path):
+    def __init__(self, model: Path, logs: Path, baseline_args: dict | None = None):
         self.model, self.logs = model, logs
+        self.baseline_args = baseline_args  # what the kind needs to run without kvtier
         self._engines: dict[str, Engine] = {}
         self._baseline_outputs: dict[tuple, Output] = {}
 
@@ -153,7 +154,8 @@ class Engines:
         """The output of an engine without any connector (cached per prompt)."""
         key = (tuple(prompt), max_tokens)
         if key not in self._baseline_outputs:
-            outs, _ = self.get("baseline").generate([prompt], max_tokens)
+            outs, _ = self.get("baseline", engine_args=self.baseline_args).generate(
+                [prompt], max_tokens)
             self._baseline_outputs[key] = outs[0]
         return self._baseline_outputs[key]
 
@@ -162,7 +164,8 @@ class Engines:
         change greedy tokens)."""
         todo = [p for p in prompts if (tuple(p), max_tokens) not in self._baseline_outputs]
         if todo:
-            outs, _ = self.get("baseline").generate(todo, max_tokens)
+            outs, _ = self.get("baseline", engine_args=self.baseline_args).generate(
+                todo, max_tokens)
             for p, o in zip(todo, outs):
                 self._baseline_outputs[(tuple(p), max_tokens)] = o
         return [self._baseline_outputs[(tuple(p), max_tokens)] for p in prompts]
@@ -174,10 +177,11 @@ class Engines:
         self._engines.clear()
 
 
-def tiny_engines(tmp_path_factory, name: str = "tiny-llama", kind: str = "llama") -> Engines:
+def tiny_engines(tmp_path_factory, name: str = "tiny-llama", kind: str = "llama",
+                 baseline_args: dict | None = None) -> Engines:
     """A module's engine pool over a tiny random model of `kind` made in the test."""
     model = make_tiny_model(tmp_path_factory.mktemp("model") / name, kind)
-    return Engines(model, tmp_path_factory.mktemp("engine-logs"))
+    return Engines(model, tmp_path_factory.mktemp("engine-logs"), baseline_args)
 
 
 def chunk_keys(prompt: list[int], policy: dict, kind: str = "llama") -> list[str]:

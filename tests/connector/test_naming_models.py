@@ -77,17 +77,51 @@ def test_the_harness_names_mla_prompts_as_the_connector_does(tmp_path):
         naming.token_keys(ns, prompt, b"")
 
 
+def groups_config(*specs):
+    tensors = [vllm_kv.KVCacheTensor(size=8 * 4096, layers=[str(i)], layer_stride=8 * 4096,
+                                     block_stride=4096) for i in range(len(specs))]
+    return vllm_kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=tensors, kv_cache_groups=[
+        vllm_kv.KVCacheGroupSpec([str(i)], s) for i, s in enumerate(specs)])
+
+
+def mamba_spec(mode):
+    return vllm_kv.MambaSpec(block_size=16, shapes=((3, 8), (2, 4, 4)),
+                             dtypes=(torch.bfloat16, torch.float32), mamba_cache_mode=mode)
+
+
+def test_a_recurrent_group_is_stored_as_one_state_page_per_layer(tmp_path):
+    """A Mamba group kept per request (vLLM's prefix caching off) is a `state` group: one
+    page of state bytes per layer (convolution and SSM state), its own namespace; the
+    full-attention group keys the hit's chunks."""
+    pol, _ = policy(tmp_path)
+    full = vllm_kv.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                     dtype=torch.float32)
+    groups = naming.kv_groups(groups_config(mamba_spec("none"), full), "GraniteX")
+    state = groups[0]
+    assert (state.kind, state.stateful, state.num_layers) == ("state", True, 1)
+    assert state.block_bytes == 3 * 8 * 2 + 2 * 4 * 4 * 4
+    assert naming.primary(groups) is groups[1]
+    fps = {naming.make_namespace(vllm_config(), g, pol).fingerprint() for g in groups}
+    assert len(fps) == 2
+
+
 def test_a_model_with_groups_kvtier_cannot_store_is_refused_in_one_line():
     full = vllm_kv.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
                                      dtype=torch.float32)
-    mamba = vllm_kv.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
-    cfg = vllm_kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        vllm_kv.KVCacheGroupSpec(["a"], full), vllm_kv.KVCacheGroupSpec(["b"], mamba)])
-    with pytest.raises(ConfigError) as e:
-        naming.kv_shape(cfg, "Qwen3NextForCausalLM")
-    msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("kvtier cannot serve Qwen3NextForCausalLM")
-    assert "MambaSpec" in msg
+    swa = vllm_kv.SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                    dtype=torch.float32, sliding_window=32)
+    cases = {  # groups -> what the one line must say
+        (full, mamba_spec("align")): "--no-enable-prefix-caching",
+        (full, swa, mamba_spec("none")): "SlidingWindowSpec",
+        (full, vllm_kv.ChunkedLocalAttentionSpec(
+            block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32,
+            attention_chunk_size=32)): "ChunkedLocalAttentionSpec"}
+    for specs, why in cases.items():
+        with pytest.raises(ConfigError) as e:
+            naming.kv_shape(groups_config(*specs), "Qwen3NextForCausalLM")
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("kvtier cannot serve Qwen3NextForCausalLM")
+        assert why in msg, msg
 
 
 def test_blocks_of_one_kind_are_a_miss_for_an_engine_of_another(tmp_path):

@@ -1,5 +1,7 @@
 """A model kvtier cannot serve stops vLLM at start with one line naming its architecture and
-why (state-space / linear-attention hybrids keep recurrent state kvtier does not store)."""
+why: attention-free models, and state-space / linear-attention hybrids with vLLM's prefix
+caching on (vLLM then keeps per-block states kvtier does not restore; with it off kvtier
+stores the state itself)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,16 @@ pytestmark = pytest.mark.vllm
 def test_refusal_names_the_architecture_and_why():
     hybrid = SimpleNamespace(is_hybrid=True, is_attention_free=False,
                              architectures=["JambaForCausalLM"])
-    msg = refusal(hybrid)
-    assert msg.startswith("kvtier cannot serve JambaForCausalLM: it keeps recurrent state")
-    assert "\n" not in msg and "without the kvtier connector" in msg
+    for on in (None, SimpleNamespace(enable_prefix_caching=True),
+               SimpleNamespace(enable_prefix_caching=None)):
+        msg = refusal(hybrid, on)
+        assert msg.startswith("kvtier cannot serve JambaForCausalLM with vLLM's prefix caching "
+                              "on: it keeps recurrent state")
+        assert "\n" not in msg and "--no-enable-prefix-caching" in msg
+    assert refusal(hybrid, SimpleNamespace(enable_prefix_caching=False)) is None
     free = SimpleNamespace(is_hybrid=False, is_attention_free=True, architectures=["MambaX"])
     assert "has no attention KV" in refusal(free)
+    assert "has no attention KV" in refusal(free, SimpleNamespace(enable_prefix_caching=False))
     for ok in (SimpleNamespace(is_hybrid=False, is_attention_free=False, architectures=["L"]),
                None, SimpleNamespace()):
         assert refusal(ok) is None
@@ -44,7 +51,7 @@ def tiny_qwen3_next(path):
 
 TRANSFER = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
             "kv_role": "kv_both", "kv_connector_extra_config": {}}
-WHY = "kvtier cannot serve Qwen3NextForCausalLM: it keeps recurrent state"
+WHY = "kvtier cannot serve Qwen3NextForCausalLM with vLLM's prefix caching on"
 
 
 def test_a_state_space_hybrid_is_refused_while_vllm_builds_its_config(tmp_path):

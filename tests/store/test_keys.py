@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvtier.store.base.keys import (KEY_HEX, Namespace, block_keys, check_key, chunk_hashes,
-                               id_chain_hashes, is_key, key_namespace)
+                               end_keys, id_chain_hashes, is_key, key_namespace)
 
 SCRIPT = """
 import json, sys
@@ -58,6 +58,25 @@ def test_a_chain_extended_later_equals_the_chain_computed_at_once():
     assert block_keys(ns, toks[32:], after=head[-1]) == full[2:]  # the salt is in the chain
     with pytest.raises(ValueError, match="not a kvtier block key"):
         block_keys(ns, toks, after="nope")
+
+
+def test_end_keys_name_every_position_inside_the_next_chunk_and_never_a_chunk():
+    ns = Namespace(model="m", chunk_tokens=16)
+    fp = ns.fingerprint()
+    toks = list(range(700, 740))
+    chunks = block_keys(ns, toks, salt=b"s")
+    ends = end_keys(fp, toks[32:40], b"s", after=chunks[1])
+    assert len(ends) == 9 and len(set(ends)) == 9 and not set(ends) & set(chunks)
+    assert all(is_key(k) and key_namespace(k) == fp for k in ends)
+    # each end depends on the chain before it and on exactly the tokens up to it
+    assert end_keys(fp, toks[32:35], b"s", after=chunks[1]) == ends[:4]
+    assert end_keys(fp, toks[32:40], b"s", after=chunks[0])[5] != ends[5]
+    changed = toks[32:40]
+    changed[3] += 1
+    moved = end_keys(fp, changed, b"s", after=chunks[1])
+    assert moved[:4] == ends[:4] and all(a != b for a, b in zip(moved[4:], ends[4:]))
+    # at the start: the salt separates, as for chunks
+    assert end_keys(fp, toks[:3], b"s")[1:] != end_keys(fp, toks[:3], b"t")[1:]
 
 
 @pytest.mark.parametrize("field,value", [("model", "other"), ("dtype", "float16"),

@@ -83,6 +83,10 @@ def test_save_lookup_load_and_persist(tmp_path, shared_master):
         store.tiers[0].delete(keys)
         found = store.lookup(keys)
         assert found.hit_blocks == 8 and set(found.tiers) == {"nvme"}
+        # `where`: each key on its own, not a prefix
+        other = block_keys(NS, range(5000, 5000 + 16))
+        assert store.where([other[0], keys[3], other[0], keys[0]]) == [None, "nvme", None,
+                                                                       "nvme"]
         assert check_loaded(store, keys) == [PAYLOAD] * 8
         store.mover.drain()
         assert all(store.tiers[0].contains(keys))

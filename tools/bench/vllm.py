@@ -2,10 +2,12 @@
 
 Two engine processes with the kvtier connector (nodes `a` and `b`: own index and nvme dir,
 one shared dir, one embedded `mooncake_master`) serve the tiny random model of
-`model_kind` (llama, mla, swa). The bytes one token takes in the store are summed over the
-stored frames of every KV cache group. (On the MLA model vLLM's CPU build keeps no prefix
-cache of its own: `local` is a hit from kvtier on the same node.) For each prompt size, with
-fresh random prompts per measurement:
+`model_kind` (llama, mla, swa, hybrid). The bytes one token takes in the store are summed
+over the stored frames of every KV cache group. (On the MLA and hybrid models vLLM's CPU
+build keeps no prefix cache of its own: `local` is a hit from kvtier on the same node.) A
+recurrent hybrid's hit ends only where a stored state is, at the end of a prompt computed
+before: its hits are the next turn, the prompt and 32 new tokens. For each prompt size,
+with fresh random prompts per measurement:
 
 - cold: `a` prefills a prompt nobody has seen (connector on: lookup miss, saves);
 - local: `a` again, the same prompt (vLLM's own prefix cache), once `a`'s saves and the
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import Iterator
 
 from kvtier.store.base import block
-from kvtier.store.base.keys import NS_HEX
+from kvtier.store.base.keys import NS_HEX, end_keys
 from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 from kvtier.tools.vllm_engine import (BLOCK_SIZE, ENGINE_ARGS, MODEL_KINDS, Engine,
@@ -67,7 +69,8 @@ class BenchSpec:
     load: str = "async"  # the connector's `load` setting (async, sync, auto)
     busy: int = 0  # processes spinning a core each beside the engines (a CPU-heavy job)
     # the tiny model's architecture (`tiny_models`): llama, mla (DeepSeek-V2 shape, its own
-    # block size 16), swa (Gemma 3 shape, sliding window beside full attention)
+    # block size 16), swa (Gemma 3 shape, sliding window beside full attention), hybrid
+    # (Granite 4.0-H shape, a Mamba2 layer beside full attention)
     model_kind: str = "llama"
     # vLLM's hybrid memory allocator (off: one KV cache group, every layer for every token)
     hybrid_allocator: bool = True
@@ -183,7 +186,16 @@ class Bench:
         self.seed += 1
         return random_prompt(10_000 + self.seed, n)
 
+    def turn(self, prompt: list[int]) -> list[int]:
+        """The prompt a hit on `prompt` is measured with: itself, or for a recurrent hybrid
+        (whose hits end where a state was stored) the next turn: it and 32 new tokens."""
+        if self.spec.model_kind != "hybrid":
+            return prompt
+        return prompt + random_prompt(len(prompt) * 7 + prompt[0], 32)
+
     def ttft(self, node: str, prompt: list[int], case: str, res: Result) -> None:
+        if case != "cold":
+            prompt = self.turn(prompt)
         outs, elapsed = self.engines[node].generate([prompt], 1)
         res.ttft_s[case].append(elapsed)
         hits = (outs[0].kv_transfer_params or {}).get("kvtier", {}).get("hit_tokens", {})
@@ -197,7 +209,7 @@ class Bench:
         from kvtier.store.tiered import TieredStore
         probe = self.policy("probe")
         probe["tiers"] = [t for t in probe["tiers"] if t["kind"] == "sharedfs"]
-        keys = [k for p in prompts for k in self.keys_of(p, probe)]
+        keys = [k for p in prompts for k in self.keys_of(p, probe) + self.end_keys_of(p, probe)]
         with TieredStore(policy_from_dict(probe), node_id="probe", mover=False) as store:
             deadline = time.monotonic() + timeout_s
             while store.lookup(keys).hit_blocks < len(keys):
@@ -215,6 +227,23 @@ class Bench:
     def keys_of(self, prompt: list[int], policy: dict) -> list[str]:
         return prompt_keys(prompt, policy, self.spec.dtype, self.spec.block_size,
                            self.spec.model_kind, hybrid=self.spec.hybrid_allocator)
+
+    def end_keys_of(self, prompt: list[int], policy: dict) -> list[str]:
+        """A recurrent hybrid's frames stored at the end of `prompt`: the state of each
+        recurrent group and, inside a chunk, the attention part-chunk (none otherwise)."""
+        if self.spec.model_kind != "hybrid":
+            return []
+        import re
+        from kvtier.connector.naming import rank_keys
+        chunks, C = self.keys_of(prompt, policy), self.spec.chunk_tokens
+        c, tail = divmod(len(prompt), C)
+        key = end_keys(chunks[0][:NS_HEX], prompt[c * C:], b"", chunks[c - 1] if c else None)[-1]
+        log = (self.root / "engine-a.log").read_text(errors="replace")
+        states = set(re.findall(r"kvtier: state group \d+: .* namespace (\w+)", log))
+        if not states:
+            raise RuntimeError(f"no recurrent group in the connector's start lines of "
+                               f"{self.root}/engine-a.log: is the model a hybrid?")
+        return [rank_keys([key], fp)[0] for fp in sorted(states)] + ([key] if tail else [])
 
     def stored_bytes_per_token(self) -> float:
         """Bytes one token of a prompt takes in the store, frame headers included: every

@@ -32,7 +32,8 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
                                   "beside the engines (a CPU-heavy job on the host)"),
          model_kind: str = typer.Option("llama", "--model-kind", help="the tiny random "
                                         "model: llama, mla (DeepSeek-V2 shape), swa (Gemma 3 "
-                                        "shape: sliding window beside full attention)"),
+                                        "shape: sliding window beside full attention), hybrid "
+                                        "(Granite 4.0-H shape: Mamba2 beside attention)"),
          hybrid_allocator: bool = typer.Option(True, "--hybrid-allocator/--no-hybrid-allocator",
                                                help="vLLM's hybrid memory allocator (off: a "
                                                "sliding-window model keeps one KV cache "

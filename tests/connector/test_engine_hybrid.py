@@ -1,0 +1,97 @@
+"""A recurrent hybrid (a tiny Granite 4.0-H shape: one Mamba2 layer beside one full-attention
+layer) on real vLLM CPU engines with kvtier.
+
+vLLM's CPU build runs such a model with its prefix caching off: kvtier is its prefix cache.
+The Mamba layer's state is valid at one position only, so kvtier stores it where a step
+ended computing a request (the end of each prefill step, and the request's end) with the
+attention layer's part-chunk before that position; a hit restores chunks, part-chunk and
+state together and ends exactly there. Two engine processes on one kvtier cluster, and
+one without kvtier (prefix caching off as well) for the reference output.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
+    cluster, BLOCK_SIZE, CHUNK, tiny_engines, random_prompt)
+from kvtier.tools.vllm_engine import ENGINE_ARGS  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+TOKENS = 16
+LONG = 3000
+MODEL = "tiny-hybrid"
+ARGS = ENGINE_ARGS["hybrid"]
+
+
+@pytest.fixture(scope="module")
+def engines(cluster, tmp_path_factory):
+    pool = tiny_engines(tmp_path_factory, MODEL, "hybrid", baseline_args=ARGS)
+    yield pool
+    pool.close()
+
+
+def node(engines, cluster, name):
+    tc = cluster.transfer_config(name, namespace={"model": MODEL})
+    return engines.get(name, tc, block_size=BLOCK_SIZE["hybrid"], engine_args=ARGS)
+
+
+def served(engine, prompt):
+    outs, _ = engine.generate([prompt], TOKENS)
+    return outs[0]
+
+
+def test_the_next_turn_restores_state_and_kv_from_the_pool_on_another_instance(engines,
+                                                                               cluster):
+    prompt = random_prompt(1, LONG)
+    a = node(engines, cluster, "a")
+    cold = served(a, prompt)
+    assert cold.num_cached_tokens == 0 and len(set(cold.token_ids)) > 1
+    log = a.log_path.read_text(errors="replace")
+    assert set(re.findall(r"kvtier: (\w+) group \d+: KV layout", log)) == {"state", "full"}
+    # the next turn: the prompt, a's answer and a new message, on an engine that never
+    # saw it; the state stored at a's end (all but a's last token, which a never computed)
+    turn = prompt + cold.token_ids + random_prompt(2, 200)
+    b = node(engines, cluster, "b")
+    hit = served(b, turn)
+    params = hit.kv_transfer_params["kvtier"]
+    assert params["hit_tokens"] == {"dram": hit.num_cached_tokens}
+    assert hit.num_cached_tokens == LONG + TOKENS - 1 >= 0.9 * len(turn)
+    assert params["recomputed_tokens"] == 0
+    assert hit.token_ids == engines.baseline(turn, TOKENS).token_ids
+
+
+def test_a_prompt_forking_at_a_stored_prompt_end_hits_there(engines, cluster):
+    """Another continuation of a prompt (a retried tool call, an edited answer) hits at the
+    prompt's end, stored when the prompt's prefill ended; one that forks inside a chunk
+    with no state stored at the fork recomputes, with the right answer."""
+    prompt = random_prompt(3, 2000)
+    a = node(engines, cluster, "a")
+    served(a, prompt)
+    b = node(engines, cluster, "b")
+    fork = prompt + random_prompt(4, 150)
+    hit = served(b, fork)
+    assert hit.kv_transfer_params["kvtier"]["hit_tokens"] == {"dram": len(prompt)}
+    assert hit.token_ids == engines.baseline(fork, TOKENS).token_ids
+    inside = prompt[:len(prompt) - CHUNK // 2 - 7] + random_prompt(5, 300)
+    miss = served(b, inside)
+    assert miss.num_cached_tokens == 0
+    assert miss.kv_transfer_params["kvtier"]["hit_tokens"] == {}
+    assert miss.token_ids == engines.baseline(inside, TOKENS).token_ids
+
+
+def test_workers_in_their_own_process_restore_the_state_too(engines, cluster):
+    """The layout of `vllm serve`: the scheduler's store only answers lookups, the workers'
+    store saves and loads; the next turn of a prompt another engine computed hits there."""
+    prompt = random_prompt(6, 1500)
+    cold = served(node(engines, cluster, "a"), prompt)
+    tc = cluster.transfer_config("c", namespace={"model": MODEL})
+    c = engines.get("c", tc, block_size=BLOCK_SIZE["hybrid"], engine_args=ARGS, inproc=False)
+    turn = prompt + cold.token_ids + random_prompt(7, 100)
+    hit = served(c, turn)
+    assert hit.kv_transfer_params["kvtier"]["hit_tokens"] == {"dram": len(prompt) + TOKENS - 1}
+    assert hit.token_ids == engines.baseline(turn, TOKENS).token_ids
