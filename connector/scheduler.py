@@ -97,7 +97,7 @@ class _Plan:
     deadline_s: float | None = None
     tail: int = 0                # recurrent models: tokens of the hit past its chunks
     end_key: str | None = None   # recurrent models: the key of the hit's end (`_state_end`)
-    end_tier: str | None = None
+    end_tier: str | None = None  # where the end's frames were found (a hint for the load)
 
 
 @dataclass
@@ -150,8 +150,8 @@ class SchedulerSide:
         self.world = par.tensor_parallel_size * par.pipeline_parallel_size
         self.frame_bytes = HEADER_SIZE + self.m * self.shape.block_bytes
         self.deadlines = cfg.load_deadline
-        self.recompute = RecomputeModel(
-            cfg.prefill_tokens_per_s, vllm_config.scheduler_config.max_num_batched_tokens)
+        self.budget = vllm_config.scheduler_config.max_num_batched_tokens
+        self.recompute = RecomputeModel(cfg.prefill_tokens_per_s, self.budget)
         self._settling: dict[str, dict[int, int]] = {}  # request -> rank -> chunks loaded
         self.tool_call_ids = detect_tool_call_ids(vllm_config.model_config) \
             if cfg.tool_call_token_ids == "auto" else frozenset(cfg.tool_call_token_ids)
@@ -242,40 +242,50 @@ class SchedulerSide:
         next chunk, where every recurrent group's state and every attention group's
         part-chunk before it are stored; (0, 0, None, None) where none is.
 
-        States are stored where a step ended computing a request (each prefill step, and
-        the request's end), so an end is looked for at every token of the chunks the hit
-        could end in (the one past the found chunks, and the last found one: the previous
-        turn may have saved it whole) and at each chunk boundary below."""
+        States are stored where a step ended computing a request: a prompt's end and a
+        request's, which the next turn extends (the chunks before them are stored, the one
+        they end in is not), and the ends of the prefill steps of a long prompt, at
+        multiples of the engine's token budget. So an end is looked for at every token of
+        the chunk past the found ones and at those multiples below: the recurrent groups'
+        states first, then the part-chunks of the positions that have them (a second, small
+        ask: the tiers are asked about each key, a file tier with a stat each)."""
         req, C = st.request, self.chunk
         last = req.num_tokens - 1  # vLLM computes at least the last token
-        cands: list[tuple[int, str]] = []  # (position, end key), furthest first
-        for c in (hits, hits - 1):
-            n = min(C - 1, last - c * C)
-            if c < 0 or n < 0:
-                continue
-            ks = end_keys(self.fp, req.all_token_ids[c * C:c * C + n], st.salt,
-                          st.keys[c - 1] if c else None)
-            cands += [(c * C + t, k) for t, k in reversed(list(enumerate(ks)))]
-        cands += [(c * C, end_keys(self.fp, (), st.salt, st.keys[c - 1])[0])
-                  for c in range(max(0, hits - 2), 0, -1)]
+        n = min(C - 1, last - hits * C)
+        ks = end_keys(self.fp, req.all_token_ids[hits * C:hits * C + n], st.salt,
+                      st.keys[hits - 1] if hits else None) if n >= 0 else []
+        cands = [(hits * C + t, k) for t, k in enumerate(ks)][::-1]  # furthest first
+        step = self.budget
+        cands += [(p, self._end_key(st, p))
+                  for p in range((hits * C - 1) // step * step, 0, -step) if p % C == 0]
         cands = [(p, k) for p, k in cands if 0 < p <= last]
         if not cands:
             return 0, 0, None, None
-        parts = [fp for _, fp in self.states]
-        tails = [self.fp] + [fp for _, fp in self.others]
-        asks = [rank_keys([k for _, k in cands], fp) for fp in parts + tails]
         try:
-            where = self.store.where([k for ks in asks for k in ks])
+            have = self._where([k for _, k in cands], [fp for _, fp in self.states])
+            have = [(p, k, tier) for (p, k), tier in zip(cands, have) if tier]
+            tails = self._where([k for p, k, _ in have if p % C],
+                                [self.fp] + [fp for _, fp in self.others])
         except KVTierError as e:
             log.warning("kvtier: lookup of recurrent states failed: %s", e)
             return 0, 0, None, None
-        n = len(cands)
-        for i, (pos, key) in enumerate(cands):
-            need = len(parts) + (len(tails) if pos % C else 0)
-            got = [where[j * n + i] for j in range(need)]
-            if all(got):
-                return pos // C, pos % C, key, got[-1]
+        tails.reverse()
+        for pos, key, tier in have:
+            if pos % C:
+                tier = tails.pop()
+            if tier:
+                return pos // C, pos % C, key, tier
         return 0, 0, None, None
+
+    def _where(self, keys: list[str], fps: list[str]) -> list[str | None]:
+        """Per key of `keys`: a tier holding it in every namespace of `fps` (the slowest
+        one's answer), or None."""
+        if not keys:
+            return []
+        where = self.store.where([k for fp in fps for k in rank_keys(keys, fp)])
+        n = len(keys)
+        return [None if not all(where[j * n + i] for j in range(len(fps)))
+                else where[(len(fps) - 1) * n + i] for i in range(n)]
 
     def _plan(self, st: _Req, found: Any, first: int) -> tuple[int, float | None]:
         """(chunks of the chain to count as hit, the load's deadline): the prefix of the hit
