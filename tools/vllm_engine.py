@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvtier.connector.harness.tiny_models import (  # noqa: F401 (re-exported)
-    BLOCK_SIZE, ENGINE_ARGS, MODEL_KINDS, TINY_HYBRID, TINY_MLA, TINY_MODEL, TINY_SWA,
+    BLOCK_SIZE, ENGINE_ARGS, MODEL_KINDS, RECURRENT_KINDS, TINY_MLA, TINY_MODEL, TINY_SWA,
     make_tiny_model)
 from kvtier.store.base.config import kvtier_home
 
@@ -88,13 +88,6 @@ def prompt_keys(prompt: list[int], policy: dict, dtype: str = "bfloat16",
         shape = KVShape(layers.count("full_attention"), m["num_key_value_heads"], block_size,
                         2 * m["head_dim"] * elem, dtype, "full",
                         group=layers.index("full_attention"), groups=len(set(layers)))
-    elif kind == "hybrid":  # [recurrent state, full attention]: the full one keys the chunks
-        m = TINY_HYBRID
-        layers = m["layer_types"]
-        head = m["hidden_size"] // m["num_attention_heads"]
-        shape = KVShape(layers.count("attention"), m["num_key_value_heads"], block_size,
-                        2 * head * elem, dtype, "full", group=layers.index("attention"),
-                        groups=len(layers))
     else:
         head = TINY_MODEL["hidden_size"] // TINY_MODEL["num_attention_heads"]
         shape = KVShape(TINY_MODEL["num_hidden_layers"], TINY_MODEL["num_key_value_heads"],

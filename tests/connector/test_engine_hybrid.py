@@ -18,7 +18,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    cluster, BLOCK_SIZE, CHUNK, tiny_engines, random_prompt)
+    cluster, BLOCK_SIZE, CHUNK, tiny_engines, random_prompt, wait_for)
+from kvtier.connector.naming import rank_keys  # noqa: E402
+from kvtier.store.base.keys import chunk_hashes, end_keys, make_keys  # noqa: E402
 from kvtier.tools.vllm_engine import ENGINE_ARGS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -43,6 +45,19 @@ def node(engines, cluster, name):
 def served(engine, prompt):
     outs, _ = engine.generate([prompt], TOKENS)
     return outs[0]
+
+
+def end_stored(cluster, engine, tokens: list[int]) -> bool:
+    """Whether the cluster holds the state and part-chunk a hit ending after `tokens` needs
+    (named by the namespaces `engine`'s connector logged at start)."""
+    spaces = dict(re.findall(r"kvtier: (\w+) group \d+: KV layout .* namespace (\w+)",
+                             engine.log_path.read_text(errors="replace")))
+    c = len(tokens) // CHUNK
+    chain = make_keys(spaces["full"], chunk_hashes(tokens, CHUNK))
+    key = end_keys(spaces["full"], tokens[c * CHUNK:], b"", chain[c - 1] if c else None)[-1]
+    keys = rank_keys([key], spaces["state"]) + ([key] if len(tokens) % CHUNK else [])
+    with cluster.probe() as store:
+        return all(store.where(keys))
 
 
 def test_the_next_turn_restores_state_and_kv_from_the_pool_on_another_instance(engines,
@@ -72,6 +87,7 @@ def test_a_prompt_forking_at_a_stored_prompt_end_hits_there(engines, cluster):
     prompt = random_prompt(3, 2000)
     a = node(engines, cluster, "a")
     served(a, prompt)
+    wait_for(lambda: end_stored(cluster, a, prompt), 60, "the prompt's end stored")
     b = node(engines, cluster, "b")
     fork = prompt + random_prompt(4, 150)
     hit = served(b, fork)
@@ -88,10 +104,36 @@ def test_workers_in_their_own_process_restore_the_state_too(engines, cluster):
     """The layout of `vllm serve`: the scheduler's store only answers lookups, the workers'
     store saves and loads; the next turn of a prompt another engine computed hits there."""
     prompt = random_prompt(6, 1500)
-    cold = served(node(engines, cluster, "a"), prompt)
+    a = node(engines, cluster, "a")
+    cold = served(a, prompt)
+    ended = prompt + cold.token_ids[:-1]
+    wait_for(lambda: end_stored(cluster, a, ended), 60, "the request's end stored")
     tc = cluster.transfer_config("c", namespace={"model": MODEL})
     c = engines.get("c", tc, block_size=BLOCK_SIZE["hybrid"], engine_args=ARGS, inproc=False)
     turn = prompt + cold.token_ids + random_prompt(7, 100)
     hit = served(c, turn)
     assert hit.kv_transfer_params["kvtier"]["hit_tokens"] == {"dram": len(prompt) + TOKENS - 1}
     assert hit.token_ids == engines.baseline(turn, TOKENS).token_ids
+
+
+@pytest.mark.parametrize("kind", ["nemotronh", "qwen3next"])
+def test_other_recurrent_architectures_restore_their_state_too(kind, cluster, tmp_path_factory):
+    """A NemotronH shape (Mamba2) and a Qwen3-Next shape (gated delta-net linear attention,
+    bfloat16: the CPU build's kernel takes nothing else): the next turn on another engine
+    hits at the first turn's end, token-identical to an engine without kvtier."""
+    args = ENGINE_ARGS[kind]
+    pool = tiny_engines(tmp_path_factory, f"tiny-{kind}", kind, baseline_args=args)
+    try:
+        def engine(name):  # nodes of their own: an index keeps one model's blocks
+            tc = cluster.transfer_config(f"{kind}-{name}", namespace={"model": f"tiny-{kind}"},
+                                         chunk_tokens=max(CHUNK, BLOCK_SIZE[kind]))
+            return pool.get(name, tc, block_size=BLOCK_SIZE[kind], engine_args=args)
+        prompt = random_prompt(8, 2000)
+        cold = served(engine("a"), prompt)
+        turn = prompt + cold.token_ids + random_prompt(9, 100)
+        hit = served(engine("b"), turn)
+        assert hit.kv_transfer_params["kvtier"]["hit_tokens"] == {
+            "dram": len(prompt) + TOKENS - 1}
+        assert hit.token_ids == pool.baseline(turn, TOKENS).token_ids
+    finally:
+        pool.close()

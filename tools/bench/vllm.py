@@ -2,12 +2,12 @@
 
 Two engine processes with the kvtier connector (nodes `a` and `b`: own index and nvme dir,
 one shared dir, one embedded `mooncake_master`) serve the tiny random model of
-`model_kind` (llama, mla, swa, hybrid). The bytes one token takes in the store are summed
-over the stored frames of every KV cache group. (On the MLA and hybrid models vLLM's CPU
-build keeps no prefix cache of its own: `local` is a hit from kvtier on the same node.) A
-recurrent hybrid's hit ends only where a stored state is, at the end of a prompt computed
-before: its hits are the next turn, the prompt and 32 new tokens. For each prompt size,
-with fresh random prompts per measurement:
+`model_kind` (llama, mla, swa, and the recurrent hybrids hybrid, nemotronh, qwen3next).
+The bytes one token takes in the store are summed over the stored frames of every KV cache
+group. (On the MLA and recurrent models vLLM's CPU build keeps no prefix cache of its own:
+`local` is a hit from kvtier on the same node.) A recurrent hybrid's hit ends only where a
+stored state is, at the end of a prompt computed before: its hits are the next turn, the
+prompt and 32 new tokens. For each prompt size, with fresh random prompts per measurement:
 
 - cold: `a` prefills a prompt nobody has seen (connector on: lookup miss, saves);
 - local: `a` again, the same prompt (vLLM's own prefix cache), once `a`'s saves and the
@@ -42,10 +42,11 @@ from pathlib import Path
 from typing import Iterator
 
 from kvtier.store.base import block
-from kvtier.store.base.keys import NS_HEX, end_keys
+from kvtier.store.base.keys import NS_HEX, chunk_hashes, end_keys, make_keys
 from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
-from kvtier.tools.vllm_engine import (BLOCK_SIZE, ENGINE_ARGS, MODEL_KINDS, Engine,
+from kvtier.tools.vllm_engine import (BLOCK_SIZE, ENGINE_ARGS, MODEL_KINDS, RECURRENT_KINDS,
+                                      Engine,
                                       kvtier_transfer_config, make_tiny_model, prompt_keys,
                                       random_prompt)
 
@@ -83,6 +84,8 @@ class BenchSpec:
         if self.model_kind != "llama":  # the kind's own block size (CPU_MLA takes 16 only)
             self.block_size = BLOCK_SIZE[self.model_kind]
             self.chunk_tokens = max(self.chunk_tokens, self.block_size)
+        # a kind whose CPU kernels take one dtype only (the Qwen3-Next shape: bfloat16)
+        self.dtype = ENGINE_ARGS[self.model_kind].get("dtype", self.dtype)
 
 
 @dataclass
@@ -190,7 +193,7 @@ class Bench:
     def turn(self, prompt: list[int]) -> list[int]:
         """The prompt a hit on `prompt` is measured with: itself, or for a recurrent hybrid
         (whose hits end where a state was stored) the next turn: it and 32 new tokens."""
-        if self.spec.model_kind != "hybrid":
+        if self.spec.model_kind not in RECURRENT_KINDS:
             return prompt
         return prompt + random_prompt(len(prompt) * 7 + prompt[0], 32)
 
@@ -226,25 +229,37 @@ class Bench:
         return args
 
     def keys_of(self, prompt: list[int], policy: dict) -> list[str]:
+        if self.spec.model_kind in RECURRENT_KINDS:  # named as engine a's connector said
+            return make_keys(self.namespaces()["full"][0],
+                             chunk_hashes(prompt, self.spec.chunk_tokens))
         return prompt_keys(prompt, policy, self.spec.dtype, self.spec.block_size,
                            self.spec.model_kind, hybrid=self.spec.hybrid_allocator)
+
+    def namespaces(self) -> dict[str, list[str]]:
+        """{group kind: namespace fingerprints} from engine a's connector start lines."""
+        import re
+        log = (self.root / "engine-a.log").read_text(errors="replace")
+        out: dict[str, list[str]] = {}
+        for kind, fp in re.findall(r"kvtier: (\w+) group \d+: KV layout .* namespace (\w+)",
+                                   log):
+            if fp not in out.setdefault(kind, []):
+                out[kind].append(fp)
+        if "full" not in out or "state" not in out:
+            raise RuntimeError(f"no attention and recurrent groups in the connector's start "
+                               f"lines of {self.root}/engine-a.log: is the model a hybrid?")
+        return out
 
     def end_keys_of(self, prompt: list[int], policy: dict) -> list[str]:
         """A recurrent hybrid's frames stored at the end of `prompt`: the state of each
         recurrent group and, inside a chunk, the attention part-chunk (none otherwise)."""
-        if self.spec.model_kind != "hybrid":
+        if self.spec.model_kind not in RECURRENT_KINDS:
             return []
-        import re
         from kvtier.connector.naming import rank_keys
         chunks, C = self.keys_of(prompt, policy), self.spec.chunk_tokens
         c, tail = divmod(len(prompt), C)
         key = end_keys(chunks[0][:NS_HEX], prompt[c * C:], b"", chunks[c - 1] if c else None)[-1]
-        log = (self.root / "engine-a.log").read_text(errors="replace")
-        states = set(re.findall(r"kvtier: state group \d+: .* namespace (\w+)", log))
-        if not states:
-            raise RuntimeError(f"no recurrent group in the connector's start lines of "
-                               f"{self.root}/engine-a.log: is the model a hybrid?")
-        return [rank_keys([key], fp)[0] for fp in sorted(states)] + ([key] if tail else [])
+        return [rank_keys([key], fp)[0] for fp in self.namespaces()["state"]] + (
+            [key] if tail else [])
 
     def stored_bytes_per_token(self) -> float:
         """Bytes one token of a prompt takes in the store, frame headers included: every

@@ -33,7 +33,8 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
          model_kind: str = typer.Option("llama", "--model-kind", help="the tiny random "
                                         "model: llama, mla (DeepSeek-V2 shape), swa (Gemma 3 "
                                         "shape: sliding window beside full attention), hybrid "
-                                        "(Granite 4.0-H shape: Mamba2 beside attention)"),
+                                        "(Granite 4.0-H shape: Mamba2 beside attention), "
+                                        "nemotronh, qwen3next (gated delta-net, bfloat16)"),
          hybrid_allocator: bool = typer.Option(True, "--hybrid-allocator/--no-hybrid-allocator",
                                                help="vLLM's hybrid memory allocator (off: a "
                                                "sliding-window model keeps one KV cache "
