@@ -13,10 +13,10 @@ through `get_block_ids_with_load_errors` in the same step as their request.
 Several KV cache groups (vLLM's hybrid allocator): each group has its own paged view of its
 layers (groups may share the memory of one KV tensor: their block ids never overlap), its
 own staging and I/O thread and its own namespace; a job names its group. A recurrent
-group's frame is one state: a page of state bytes per layer, from the request's
-block. A request's load
-is done when every group's job for it is, and counts as loaded only if all of them loaded
-everything (vLLM then takes failures per request: `failed_recving`, never block ids).
+group's frame is one state: a page of state bytes per layer, from the request's block. A
+request's load is done when every group's job for it is, and counts as loaded only if all
+of them loaded everything (vLLM then takes failures per request: `failed_recving`, never
+block ids).
 """
 
 from __future__ import annotations
