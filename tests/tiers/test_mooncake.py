@@ -677,3 +677,34 @@ def test_a_new_mapping_has_its_pages_mapped_in_the_background(tmp_path):
         assert not any(str(path) in l for l in Path("/proc/self/maps").read_text().splitlines())
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_lookups_skip_a_settling_pool_at_once_until_its_slow_lookup_answers(pool, monkeypatch):
+    """A lookup with no answer in `call_timeout_s` while the master answers (a client still
+    remounting after its master restarted) costs that timeout once; the lookups after it
+    skip the pool at once while it is still running, and ask again once it has answered."""
+    keys, frames = frames_for(2, 4096)
+    assert pool.put(keys, frames) == [True, True]
+    release = threading.Event()
+    real = pool._exist
+
+    def settling(batch):  # the fault: Mooncake's call hangs while the client settles
+        release.wait(10)
+        return real(batch)
+
+    monkeypatch.setattr(pool, "_exist", settling)
+    t0 = time.monotonic()
+    with pytest.raises(TierUnavailableError, match="skips the pool"):
+        pool.contains(keys)
+    assert time.monotonic() - t0 >= pool.cfg.call_timeout_s * 0.9
+    for _ in range(3):
+        t0 = time.monotonic()
+        with pytest.raises(TierUnavailableError, match="has not answered yet"):
+            pool.contains(keys)
+        assert time.monotonic() - t0 < 0.1
+    monkeypatch.setattr(pool, "_exist", real)
+    release.set()
+    wait_until(lambda: pool._unanswered is None or pool._unanswered[0].done(), 5,
+               "the slow lookup answered")
+    assert pool.contains(keys) == [True, True]
+    pool.delete(keys)

@@ -66,6 +66,9 @@ MIN_RUN = 8                 # fewer frames at one stride are copied, not read in
 PROBE_EVERY = 16            # a predicted run is checked at every 16th frame's key
 TRANSFER_THREADS = 4        # transfers of concurrent calls in flight at once
 LOOKUP_THREADS = 2          # lookups in flight at once (one may hang on a cut link)
+# While a lookup that had no answer in `call_timeout_s` is still running (a client settling
+# after its master restarted), later lookups skip the pool at once, for at most this long.
+SETTLING_SKIP_S = 5.0
 STAGING_POLL_S = 0.05       # a call waiting for staging looks for a new area this often
 MAX_SPARE_STAGING = 2       # staging areas added for calls stuck behind late transfers
 
@@ -91,6 +94,7 @@ class MooncakeTier(Tier):
                                           thread_name_prefix=f"kvtier-{cfg.name}")
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS,
                                            thread_name_prefix=f"kvtier-{cfg.name}-lookup")
+        self._unanswered: tuple | None = None  # (the lookup, when it timed out)
         self.usage = PoolUsage(cfg.capacity_bytes, self.client, ctx.master)
         self.unreachable = Lenders()
         # Other processes' segments of this node, read straight from their files.
@@ -107,6 +111,7 @@ class MooncakeTier(Tier):
     def contains(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
+        self._skip_while_unanswered()
         # Bounded: a master across a cut link answers nothing for ~30 s (Mooncake's RPC
         # timeout), and a lookup must never cost more than the recompute it could save.
         try:
@@ -120,6 +125,7 @@ class MooncakeTier(Tier):
             if self.client.master_answers():
                 # slow, not gone (a client still settling after the master restarted, a
                 # busy host): a miss this once; reconnecting would stall the tier again
+                self._unanswered = (asked, time.monotonic())
                 raise TierUnavailableError(f"tier {self.cfg.name!r}: batch_is_exist {what}; "
                                            "the master answers: this call skips the pool"
                                            ) from None
@@ -136,6 +142,20 @@ class MooncakeTier(Tier):
             self._drop_blocked(keys, out, blocked)
         self.usage.forget([k for k, hit in zip(keys, out) if not hit])
         return out
+
+    def _skip_while_unanswered(self) -> None:
+        """Raise TierUnavailableError at once while a lookup that timed out is still
+        running (up to `SETTLING_SKIP_S`): each would wait `call_timeout_s` for the same
+        settling client, and the scheduler waits with it."""
+        if self._unanswered is None:
+            return
+        asked, since = self._unanswered
+        if asked.done() or time.monotonic() - since > SETTLING_SKIP_S:
+            self._unanswered = None
+            return
+        raise TierUnavailableError(f"tier {self.cfg.name!r}: an earlier batch_is_exist "
+                                   "has not answered yet (past call_timeout_s); this call "
+                                   "skips the pool")
 
     def _drop_blocked(self, keys: Sequence[str], present: list[bool], blocked: set[str]
                       ) -> None:
