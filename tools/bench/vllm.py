@@ -30,6 +30,7 @@ costs more than recomputing it). `busy` spins that many processes beside the eng
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -46,9 +47,8 @@ from kvtier.store.base.keys import NS_HEX, chunk_hashes, end_keys, make_keys
 from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 from kvtier.tools.vllm_engine import (BLOCK_SIZE, ENGINE_ARGS, MODEL_KINDS, RECURRENT_KINDS,
-                                      Engine,
-                                      kvtier_transfer_config, make_tiny_model, prompt_keys,
-                                      random_prompt)
+                                      Engine, kvtier_transfer_config, make_tiny_model,
+                                      prompt_keys, random_prompt)
 
 CASES = ("cold", "local", "dram", "nvme", "shared")
 RESTART_SETTLE_S = 5.0
@@ -72,7 +72,7 @@ class BenchSpec:
     busy: int = 0  # processes spinning a core each beside the engines (a CPU-heavy job)
     # the tiny model's architecture (`tiny_models`): llama, mla (DeepSeek-V2 shape, its own
     # block size 16), swa (Gemma 3 shape, sliding window beside full attention), hybrid
-    # (Granite 4.0-H shape, a Mamba2 layer beside full attention)
+    # (Granite 4.0-H shape, a Mamba2 layer beside full attention), nemotronh, qwen3next
     model_kind: str = "llama"
     # vLLM's hybrid memory allocator (off: one KV cache group, every layer for every token)
     hybrid_allocator: bool = True
@@ -237,7 +237,6 @@ class Bench:
 
     def namespaces(self) -> dict[str, list[str]]:
         """{group kind: namespace fingerprints} from engine a's connector start lines."""
-        import re
         log = (self.root / "engine-a.log").read_text(errors="replace")
         out: dict[str, list[str]] = {}
         for kind, fp in re.findall(r"kvtier: (\w+) group \d+: KV layout .* namespace (\w+)",
