@@ -38,6 +38,7 @@ import json
 import os
 import queue
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -50,6 +51,16 @@ from kvtier.connector.harness.tiny_models import (  # noqa: F401 (re-exported)
     BLOCK_SIZE, ENGINE_ARGS, MODEL_KINDS, RECURRENT_KINDS, TINY_MLA, TINY_MODEL, TINY_SWA,
     make_tiny_model)
 from kvtier.store.base.config import kvtier_home
+
+
+def logged_namespaces(log: str) -> dict[str, list[str]]:
+    """{group kind: namespace fingerprints, in order} from the connector's start lines in
+    an engine's `log` (one line per KV cache group when the engine keeps several)."""
+    out: dict[str, list[str]] = {}
+    for kind, fp in re.findall(r"kvtier: (\w+) group \d+: KV layout .* namespace (\w+)", log):
+        if fp not in out.setdefault(kind, []):
+            out[kind].append(fp)
+    return out
 
 
 def random_prompt(seed: int, n: int) -> list[int]:

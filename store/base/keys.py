@@ -46,6 +46,11 @@ class Namespace:
         return hashlib.blake2b(canon, digest_size=NS_HEX // 2, person=b"kvtier-ns-v1").hexdigest()
 
 
+def _root(salt: bytes) -> bytes:
+    """The parent of a chain's first hash: the salt's."""
+    return hashlib.blake2b(salt, digest_size=_CHAIN_BYTES, person=_PERSON).digest()
+
+
 def chunk_hashes(tokens: Sequence[int] | np.ndarray, chunk_tokens: int,
                  salt: bytes = b"", parent: bytes | None = None) -> list[bytes]:
     """Chained 16-byte hashes, one per full chunk of `tokens`; a partial tail has none.
@@ -57,7 +62,7 @@ def chunk_hashes(tokens: Sequence[int] | np.ndarray, chunk_tokens: int,
     arr = np.ascontiguousarray(np.asarray(tokens, dtype="<u4"))
     n_full = len(arr) // chunk_tokens
     if parent is None:
-        parent = hashlib.blake2b(salt, digest_size=_CHAIN_BYTES, person=_PERSON).digest()
+        parent = _root(salt)
     out: list[bytes] = []
     data = arr[: n_full * chunk_tokens].tobytes()
     step = chunk_tokens * 4
@@ -75,10 +80,7 @@ def end_keys(ns_fingerprint: str, tokens: Sequence[int] | np.ndarray, salt: byte
     before, None at the start). A distinct family from the chunk keys (its own
     personalization: an end key never equals a chunk key), for what is stored at one exact
     position (a recurrent model's state there, and the part-chunk of KV before it)."""
-    if after is None:
-        parent = hashlib.blake2b(salt, digest_size=_CHAIN_BYTES, person=_PERSON).digest()
-    else:
-        parent = bytes.fromhex(check_key(after)[NS_HEX:])
+    parent = _root(salt) if after is None else bytes.fromhex(check_key(after)[NS_HEX:])
     h = hashlib.blake2b(parent, digest_size=_CHAIN_BYTES, person=_END_PERSON)
     out = [ns_fingerprint + h.hexdigest()]
     data = np.ascontiguousarray(np.asarray(tokens, dtype="<u4")).tobytes()
@@ -88,9 +90,19 @@ def end_keys(ns_fingerprint: str, tokens: Sequence[int] | np.ndarray, salt: byte
     return out
 
 
+def end_key(ns_fingerprint: str, tokens: Sequence[int] | np.ndarray, chunk_tokens: int,
+            salt: bytes = b"") -> str:
+    """The end key of the position right after all of `tokens` (`end_keys`, with the chain
+    of their full chunks computed here)."""
+    c = len(tokens) // chunk_tokens
+    chain = chunk_hashes(tokens[:c * chunk_tokens], chunk_tokens, salt)
+    after = ns_fingerprint + chain[-1].hex() if chain else None
+    return end_keys(ns_fingerprint, tokens[c * chunk_tokens:], salt, after)[-1]
+
+
 def id_chain_hashes(ids: Iterable[int | str], salt: bytes = b"") -> list[bytes]:
     """Chained hashes over opaque block ids (trace replay: the ids stand for chunks)."""
-    parent = hashlib.blake2b(salt, digest_size=_CHAIN_BYTES, person=_PERSON).digest()
+    parent = _root(salt)
     out = []
     for block_id in ids:
         parent = hashlib.blake2b(parent + str(block_id).encode(), digest_size=_CHAIN_BYTES,

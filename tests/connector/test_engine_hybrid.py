@@ -11,8 +11,6 @@ one without kvtier (prefix caching off as well) for the reference output.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 pytest.importorskip("vllm")
@@ -20,8 +18,8 @@ pytest.importorskip("vllm")
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
     cluster, BLOCK_SIZE, CHUNK, tiny_engines, random_prompt, wait_for)
 from kvtier.connector.naming import rank_keys  # noqa: E402
-from kvtier.store.base.keys import chunk_hashes, end_keys, make_keys  # noqa: E402
-from kvtier.tools.vllm_engine import ENGINE_ARGS  # noqa: E402
+from kvtier.store.base.keys import end_key  # noqa: E402
+from kvtier.tools.vllm_engine import ENGINE_ARGS, logged_namespaces  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TOKENS = 16
@@ -50,12 +48,10 @@ def served(engine, prompt):
 def end_stored(cluster, engine, tokens: list[int]) -> bool:
     """Whether the cluster holds the state and part-chunk a hit ending after `tokens` needs
     (named by the namespaces `engine`'s connector logged at start)."""
-    spaces = dict(re.findall(r"kvtier: (\w+) group \d+: KV layout .* namespace (\w+)",
-                             engine.log_path.read_text(errors="replace")))
-    c = len(tokens) // CHUNK
-    chain = make_keys(spaces["full"], chunk_hashes(tokens, CHUNK))
-    key = end_keys(spaces["full"], tokens[c * CHUNK:], b"", chain[c - 1] if c else None)[-1]
-    keys = rank_keys([key], spaces["state"]) + ([key] if len(tokens) % CHUNK else [])
+    spaces = logged_namespaces(engine.log_path.read_text(errors="replace"))
+    key = end_key(spaces["full"][0], tokens, CHUNK)
+    keys = [rank_keys([key], fp)[0] for fp in spaces["state"]]
+    keys += [key] if len(tokens) % CHUNK else []
     with cluster.probe() as store:
         return all(store.where(keys))
 
@@ -66,8 +62,7 @@ def test_the_next_turn_restores_state_and_kv_from_the_pool_on_another_instance(e
     a = node(engines, cluster, "a")
     cold = served(a, prompt)
     assert cold.num_cached_tokens == 0 and len(set(cold.token_ids)) > 1
-    log = a.log_path.read_text(errors="replace")
-    assert set(re.findall(r"kvtier: (\w+) group \d+: KV layout", log)) == {"state", "full"}
+    assert set(logged_namespaces(a.log_path.read_text(errors="replace"))) == {"state", "full"}
     # the next turn: the prompt, a's answer and a new message, on an engine that never
     # saw it; the state stored at a's end (all but a's last token, which a never computed)
     turn = prompt + cold.token_ids + random_prompt(2, 200)

@@ -10,8 +10,6 @@ Two engine processes on one kvtier cluster, and one without kvtier for the refer
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 pytest.importorskip("vllm")
@@ -19,6 +17,7 @@ pytest.importorskip("vllm")
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
     cluster, BLOCK_SIZE, CHUNK, chunk_keys, tiny_engines, random_prompt, wait_for)
 from kvtier.connector.naming import rank_keys  # noqa: E402
+from kvtier.tools.vllm_engine import logged_namespaces  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TOKENS = 16
@@ -40,7 +39,7 @@ def node(engines, cluster, name):
 
 def group_namespaces(log: str) -> dict[str, str]:
     """{kind: namespace fingerprint} of each KV cache group, from the worker's start line."""
-    return dict(re.findall(r"kvtier: (\w+) group \d+: KV layout .* namespace (\w+)", log))
+    return {kind: fps[0] for kind, fps in logged_namespaces(log).items()}
 
 
 def stored(cluster, keys: list[str]) -> int:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvtier.store.base.keys import (KEY_HEX, Namespace, block_keys, check_key, chunk_hashes,
-                               end_keys, id_chain_hashes, is_key, key_namespace)
+                               end_key, end_keys, id_chain_hashes, is_key, key_namespace)
 
 SCRIPT = """
 import json, sys
@@ -77,6 +77,10 @@ def test_end_keys_name_every_position_inside_the_next_chunk_and_never_a_chunk():
     assert moved[:4] == ends[:4] and all(a != b for a, b in zip(moved[4:], ends[4:]))
     # at the start: the salt separates, as for chunks
     assert end_keys(fp, toks[:3], b"s")[1:] != end_keys(fp, toks[:3], b"t")[1:]
+    # `end_key`: the end after a whole sequence, its chain computed from its tokens
+    assert end_key(fp, toks[:37], 16, b"s") == ends[5]
+    assert end_key(fp, toks[:32], 16, b"s") == ends[0]
+    assert end_key(fp, toks[:3], 16, b"s") == end_keys(fp, toks[:3], b"s")[-1]
 
 
 @pytest.mark.parametrize("field,value", [("model", "other"), ("dtype", "float16"),

@@ -30,7 +30,6 @@ costs more than recomputing it). `busy` spins that many processes beside the eng
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -43,12 +42,12 @@ from pathlib import Path
 from typing import Iterator
 
 from kvtier.store.base import block
-from kvtier.store.base.keys import NS_HEX, chunk_hashes, end_keys, make_keys
+from kvtier.store.base.keys import NS_HEX, chunk_hashes, end_key, make_keys
 from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 from kvtier.tools.vllm_engine import (BLOCK_SIZE, ENGINE_ARGS, MODEL_KINDS, RECURRENT_KINDS,
-                                      Engine, kvtier_transfer_config, make_tiny_model,
-                                      prompt_keys, random_prompt)
+                                      Engine, kvtier_transfer_config, logged_namespaces,
+                                      make_tiny_model, prompt_keys, random_prompt)
 
 CASES = ("cold", "local", "dram", "nvme", "shared")
 RESTART_SETTLE_S = 5.0
@@ -237,12 +236,7 @@ class Bench:
 
     def namespaces(self) -> dict[str, list[str]]:
         """{group kind: namespace fingerprints} from engine a's connector start lines."""
-        log = (self.root / "engine-a.log").read_text(errors="replace")
-        out: dict[str, list[str]] = {}
-        for kind, fp in re.findall(r"kvtier: (\w+) group \d+: KV layout .* namespace (\w+)",
-                                   log):
-            if fp not in out.setdefault(kind, []):
-                out[kind].append(fp)
+        out = logged_namespaces((self.root / "engine-a.log").read_text(errors="replace"))
         if "full" not in out or "state" not in out:
             raise RuntimeError(f"no attention and recurrent groups in the connector's start "
                                f"lines of {self.root}/engine-a.log: is the model a hybrid?")
@@ -254,11 +248,10 @@ class Bench:
         if self.spec.model_kind not in RECURRENT_KINDS:
             return []
         from kvtier.connector.naming import rank_keys
-        chunks, C = self.keys_of(prompt, policy), self.spec.chunk_tokens
-        c, tail = divmod(len(prompt), C)
-        key = end_keys(chunks[0][:NS_HEX], prompt[c * C:], b"", chunks[c - 1] if c else None)[-1]
-        return [rank_keys([key], fp)[0] for fp in self.namespaces()["state"]] + (
-            [key] if tail else [])
+        spaces = self.namespaces()
+        key = end_key(spaces["full"][0], prompt, self.spec.chunk_tokens)
+        tail = [key] if len(prompt) % self.spec.chunk_tokens else []
+        return [rank_keys([key], fp)[0] for fp in spaces["state"]] + tail
 
     def stored_bytes_per_token(self) -> float:
         """Bytes one token of a prompt takes in the store, frame headers included: every
