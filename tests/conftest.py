@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.store.base.config import MasterConfig, policy_from_dict
+from kvtier.store.base.errors import TierUnavailableError
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 from kvtier.tools.api_server import metric_sum  # noqa: F401  (the tests' helper too)
 
@@ -105,6 +106,27 @@ def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(every_s)
+
+
+def answered(call, timeout_s: float = 30.0):
+    """What `call` returns once the tier answers it again (after a reconnect in the
+    background); every call before that must fail at once, not wait for the reconnect."""
+    slowest = 0.0
+
+    def attempt():
+        nonlocal slowest
+        t0 = time.monotonic()
+        try:
+            return call()
+        except TierUnavailableError:
+            return None
+        finally:
+            slowest = max(slowest, time.monotonic() - t0)
+
+    got = wait_until(attempt, timeout_s, "the tier to answer again")
+    # a reconnect in the caller's path took >= 0.3 s (setup) + ~2 s (the old client's close)
+    assert slowest < 0.5, f"a call waited {slowest:.2f}s while the client reconnected"
+    return got
 
 
 def venv_python() -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_policy, metric_sum, start_master, wait_until
+from conftest import answered, make_policy, metric_sum, start_master, wait_until
 from kvtier.store.base.block import HEADER_SIZE, alloc_aligned, encode, payload_checksum
 from kvtier.store.base.config import MasterConfig
 from kvtier.store.base.errors import TierError, TierFullError, TierUnavailableError
@@ -263,14 +263,45 @@ def test_embedded_master_is_started_when_none_answers(tmp_path):
         tier.client.owned_master.stop()
 
 
+class Ticker(threading.Thread):
+    """Wakes every millisecond and keeps the longest gap between wakes: how long this
+    process's Python threads were held (Mooncake's `close()` holds the GIL throughout)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.gap, self.done = 0.0, threading.Event()
+
+    def run(self) -> None:
+        last = time.monotonic()
+        while not self.done.wait(0.001):
+            now = time.monotonic()
+            self.gap, last = max(self.gap, now - last), now
+
+    def stop(self) -> float:
+        self.done.set()
+        if self.ident is not None:  # started
+            self.join(5)
+        return self.gap
+
+
 @pytest.mark.parametrize("files", [False, True], ids=["private", "segment_dir"])
-def test_master_killed_mid_run_then_restarted_on_the_same_port(tmp_path, files):
+@pytest.mark.parametrize("rebuild", [False, True], ids=["resumed", "rebuilt"])
+def test_master_killed_mid_run_then_restarted_on_the_same_port(tmp_path, monkeypatch, files,
+                                                               rebuild):
+    """`resumed`: the client remounts its segment on the restarted master by itself, and
+    calls resume on it; `rebuilt`: a client that has not recovered in `REBUILD_AFTER_S`
+    (0 here) is replaced by a new one, which lends a new segment file."""
+    from kvtier.tiers.mooncake import client as client_mod
+    if rebuild:
+        monkeypatch.setattr(client_mod, "REBUILD_AFTER_S", 0.0)
     port = free_port()
     cfg = MasterConfig(address=f"127.0.0.1:{port}")
     master = EmbeddedMaster(cfg, log_path=tmp_path / "m1.log").start()
     shm = tmp_path / "shm"
     tier = open_pool(tmp_path, master.address, **({"segment_dir": str(shm)} if files else {}))
+    ticker = Ticker()
     try:
+        first = tier.client._handle
         keys, frames = frames_for(2, 256 << 10)
         assert tier.put(keys, frames) == [True, True]
         master.kill()
@@ -283,15 +314,25 @@ def test_master_killed_mid_run_then_restarted_on_the_same_port(tmp_path, files):
             with pytest.raises(TierUnavailableError, match=f"127.0.0.1:{port}.*kvtier master"):
                 op()
         assert time.monotonic() - t0 < 1.0  # down: fail fast, no RPC retries
+        ticker.start()
         master = EmbeddedMaster(cfg, log_path=tmp_path / "m2.log").start()
-        assert tier.get(keys, outs) == [MISS, MISS]  # a new master knows no objects
+        # The client recovers in the background; until then every call skips the pool at
+        # once rather than waiting for it.
+        assert answered(lambda: tier.get(keys, outs)) == [MISS, MISS]  # a new master: empty
+        assert (tier.client._handle is first) is not rebuild
         assert tier.put(keys, frames) == [True, True]  # same process, reconnected
         assert tier.get(keys, outs) == [256 << 10] * 2
         assert [bytes(o) for o in outs] == [bytes(f) for f in frames]
-        if files:  # the new client lends a new file; the old one goes with the old client
+        if not rebuild:  # nothing froze the process (a rebuild's close holds it ~1-2 s)
+            assert ticker.stop() < 1.0, f"the process was held {ticker.gap:.2f}s"
+        if files:  # one lent file: the old client's went with it
             wait_until(lambda: len(list(shm.glob("kvtier-seg-*"))) == 1, 30,
                        "the old client's segment file to go")
+            [seg] = shm.glob("kvtier-seg-*")
+            assert bytes(frames[0][HEADER_SIZE:HEADER_SIZE + 256]) in seg.read_bytes(), \
+                "a put after the restart did not land in this process's segment file"
     finally:
+        ticker.stop()
         tier.close()
         master.stop()
     assert not files or not list(shm.glob("kvtier-seg-*"))
@@ -353,7 +394,7 @@ def test_a_key_twice_in_one_get_fills_both_buffers(pool):
     pool.delete(keys)
 
 
-def test_embedded_master_killed_is_replaced_by_the_next_call(tmp_path):
+def test_embedded_master_killed_is_replaced_in_the_background(tmp_path):
     address = f"127.0.0.1:{free_port()}"
     tiers = [{"name": "dram", "kind": "mooncake", "capacity": "16MiB", "staging": "8MiB"}]
     policy = make_policy(tmp_path, master_address=address, tiers=tiers,
@@ -367,7 +408,8 @@ def test_embedded_master_killed_is_replaced_by_the_next_call(tmp_path):
         first.kill()
         with pytest.raises(TierUnavailableError):
             tier.contains(keys)  # (a put would first spend ~4 s in Mooncake's retries)
-        assert tier.put(keys, frames) == [True]  # reconnect started a master of its own
+        # the background reconnect starts a master of its own
+        assert answered(lambda: tier.put(keys, frames)) == [True]
         assert tier.client.owned_master is not first and tier.client.owned_master.alive()
     finally:
         tier.close()

@@ -6,18 +6,20 @@ it returns with `classify` and report an unreachable backend with `client.fail(.
 marks the client down and returns the `TierUnavailableError` to raise.
 
 Contract:
-- The first session after a failure reconnects: if nothing answers at the master address it
-  raises `TierUnavailableError` at once (no multi-second RPC retries inside Mooncake), or, with
-  `master.embedded: true`, starts a master through `ensure_master`; once a master answers it
-  builds a fresh store client (`setup` mounts this process's segment synchronously, so puts
-  work as soon as it returns) and re-registers every registered buffer. The old client is
-  closed in the background once the calls still running on it return.
-- With HA masters (`master.etcd`) the probe asks etcd for the leader, and a reconnect keeps
-  the same store client once a leader answers: Mooncake's client follows the new leader and
-  remounts its segment by itself, and the standby that took over knows that segment's
-  objects (a new client would lend an empty segment, and closing the old one would drop
-  them). Only when calls keep failing for `HA_REBUILD_AFTER_S` into one leader's term is
-  the client rebuilt.
+- A call that finds the client down raises `TierUnavailableError` at once and starts a
+  reconnect in the background (at most one at a time, one attempt per `RECONNECT_EVERY_S`):
+  no request waits on it. If nothing answers at the master address the attempt fails after
+  a TCP probe (no multi-second RPC retries inside Mooncake), or, with `master.embedded:
+  true`, starts a master through `ensure_master`.
+- Once a master answers, calls resume on the same store client as soon as it serves again:
+  Mooncake's client remounts its segment on a restarted master by itself (~0.4 s, measured)
+  and follows a new HA leader (`master.etcd`; the standby that took over knows that
+  segment's objects, which a new client's empty segment would drop). A client is rebuilt
+  (a fresh one set up, which mounts this process's segment and re-registers every
+  registered buffer, then the old one closed once the calls still running on it return)
+  only when it does not recover within `REBUILD_AFTER_S` (with HA: into one leader's term)
+  or belongs to a pool service that is gone: Mooncake's `close()` holds the GIL for ~1-2 s,
+  stalling every thread of the process (the engine's too).
 - Buffers handed to `register` stay referenced (alive) until `close`.
 - `setup` of a client whose master does not answer blocks for ~90 s inside Mooncake (20
   retries): a TCP probe always goes first.
@@ -25,10 +27,13 @@ Contract:
 
 Measured (mooncake-transfer-engine-non-cuda 0.3.13.post1, loopback TCP): after the master is
 killed, gets and `batch_is_exist` answer -900 at once and a put answers -900 after ~4 s of
-retries; after it restarts the old client remounts its segment by itself within ~2 s, with
-puts answering -200 until then; objects of a client that died answer -800 (transfer failed)
-for ~10 s (the master's client TTL), then -704; `close()` takes ~2 s, and calls on the new
-client wait for it (a lock inside Mooncake), so a reconnect stalls the tier for ~2 s once.
+retries; after it restarts the old client remounts its segment (a private one or a mounted
+file) by itself within ~0.4 s, with puts answering -200 until then; objects of a client that
+died answer -800 (transfer failed) for ~10 s (the master's client TTL), then -704; `close()`
+takes ~2 s and holds the GIL throughout (a thread waking every millisecond beside it sees
+one 1.75 s gap): replacing the client after each master restart froze the whole process
+(the engine with it) for that long. A pool service's client stops answering (-900) once
+the thread that set it up has exited.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import os
 import secrets
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -65,17 +71,20 @@ LEASE_EXPIRED = -707         # evicted while we read it
 TRANSFER_FAIL = -800         # the segment holding the object is gone (its client died)
 RPC_FAIL = -900
 PROBE_S = 0.2            # a master that accepts no connection in this long is unreachable
-RECONNECT_EVERY_S = 1.0  # while the master is unreachable, calls fail at once in between
+CLOSE_JOIN_S = 35.0      # close() waits this long for a reconnect closing the old client
+RECONNECT_EVERY_S = 1.0  # while down: at most one background reconnect attempt this often
 
 MISS_CODES = frozenset({REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, LEASE_EXPIRED, TRANSFER_FAIL})
 # The master itself is unreachable or has forgotten us (restarted): reconnect.
 DOWN_CODES = frozenset({-103, -1010, -1011}) | frozenset(range(-999, -899))
 
 
-# With HA masters: how long into a leader's term calls may keep failing before the client
-# is rebuilt rather than left to follow the leader (Mooncake's client switches within ~2 s
-# of the new leader serving, measured; this only catches a client that never does).
-HA_REBUILD_AFTER_S = 30.0
+# How long calls may keep failing (with HA: into one leader's term) before the client is
+# rebuilt rather than left to recover by itself (it remounts on a restarted master within
+# ~0.4 s and follows a new leader within ~2 s, measured; this only catches one that never does).
+REBUILD_AFTER_S = 30.0
+READY_WAIT_S = 5.0   # a reconnect attempt probes the recovering client this long
+READY_POLL_S = 0.05
 
 
 def is_down(code: int) -> bool:
@@ -107,10 +116,15 @@ class _Handle:
         self.store = store
         self.lent = lent  # the file its segment is lent from (`segment_dir`)
         self.active = 0
+        self.closed = False
         self.cv = threading.Condition(threading.Lock())  # not the default RLock: cheaper
 
     def close_when_idle(self, timeout_s: float = 30.0) -> None:
+        """Close the client once no call runs on it (at most `timeout_s` from now); once."""
         with self.cv:
+            if self.closed:
+                return
+            self.closed = True
             self.cv.wait_for(lambda: self.active == 0, timeout_s)
         self.store.close()
         if self.lent is not None:
@@ -150,8 +164,15 @@ class MooncakeClient:
         self._lock = threading.Lock()  # serializes reconnects and registrations
         self._down = False
         self._retry_at = 0.0  # while down: no reconnect before this (time.monotonic())
-        self._down_error = ""  # why the last reconnect failed
+        self._down_error = ""  # why calls fail while down (the failure, then the last attempt)
+        # One long-lived thread: a pool service's client stops answering once the thread
+        # that set it up has exited (measured: -900 on every call after).
+        self._reconnector = ThreadPoolExecutor(1,
+                                               thread_name_prefix=f"kvtier-{cfg.name}-reconnect")
+        self._reconnecting: Future | None = None
+        self._state_lock = threading.Lock()  # guards _reconnecting and _retry_at
         self._term: tuple[int, float] | None = None  # HA: (leader's term, first resume in it)
+        self._down_since: float | None = None  # when calls started failing (non-HA)
         self._closed = False
         # Registered buffers sorted by address, as (starts, [(addr, nbytes, owner)]), replaced
         # whole on registration so lock-free readers never see the two lists out of step.
@@ -328,30 +349,80 @@ class MooncakeClient:
             rc.preferred_segment = self.segment
         return rc
 
-    def _reconnect(self) -> None:
-        with self._lock:
-            if not self._down:
-                return  # another thread reconnected while we waited
-            if self._follows_leader():
-                self._down = False
-                log.warning("tier %r: %s answers; calls resume on the same client",
-                            self.cfg.name, self._where())
+    def _start_reconnect(self) -> None:
+        """Start a background reconnect unless one runs or the last attempt was too recent."""
+        now = time.monotonic()
+        with self._state_lock:
+            if self._closed or self._reconnecting is not None or now < self._retry_at:
                 return
-            new = _Handle(*self._new_store_lent())
-            old, self._handle = self._handle, new
-            self.segment = self._segment_name(new.store)
-            self.replicate = self._replicate_config()  # the new segment is the local one
-            self._down = False
-            log.warning("tier %r: reconnected to %s", self.cfg.name, self._where())
-        # close() takes ~2 s and must wait for the calls still running on the old client.
-        threading.Thread(target=old.close_when_idle, name="kvtier-mooncake-close",
-                         daemon=True).start()
+            self._retry_at = now + RECONNECT_EVERY_S
+            self._reconnecting = self._reconnector.submit(self._reconnect)
+
+    def _reconnect(self) -> None:
+        try:
+            with self._lock:
+                if self._closed or not self._down:
+                    return
+                if self._recovered():
+                    self._down = False
+                    self._down_since = None
+                    log.warning("tier %r: %s answers; calls resume on the same client",
+                                self.cfg.name, self._where())
+                    return
+                new = _Handle(*self._new_store_lent())
+                old, self._handle = self._handle, new
+                self.segment = self._segment_name(new.store)
+                self.replicate = self._replicate_config()  # the new segment is the local one
+                self._down = False
+                self._down_since = None
+            log.warning("tier %r: reconnected to %s with a new client", self.cfg.name,
+                        self._where())
+            old.close_when_idle()  # once the calls still running on it return
+        except TierError as e:
+            self._down_error = f"{e} (retried in the background)"
+        except Exception as e:  # noqa: BLE001 - a bug must not end reconnecting for good
+            log.exception("tier %r: reconnecting failed", self.cfg.name)
+            self._down_error = f"tier {self.cfg.name!r}: reconnecting failed: {e}"
+        finally:
+            with self._state_lock:
+                self._reconnecting = None
+
+    def _recovered(self) -> bool:
+        """Whether calls can resume on the same client; raise TierUnavailableError while no
+        master answers (or it is still remounting); False when it must be rebuilt."""
+        if self.master.ha:
+            if not self._follows_leader():
+                return False
+        else:
+            self._ensure_master()
+            if self.cfg.service:  # a pool service that went away: its client goes with it
+                return master_answers(self.cfg.service) and self._serves(self._handle.store)
+            if time.monotonic() - (self._down_since or time.monotonic()) > REBUILD_AFTER_S:
+                return False
+        until = time.monotonic() + READY_WAIT_S
+        while not self._serves(self._handle.store):
+            if time.monotonic() > until:
+                raise TierUnavailableError(f"tier {self.cfg.name!r}: {self._where()} answers "
+                                           "but this client does not serve yet; retried")
+            time.sleep(READY_POLL_S)
+        return True
+
+    def _serves(self, store: Any) -> bool:
+        """Whether `store` serves again: the master answers its calls and, when it lends a
+        segment, a probe object can be put there (puts answer -200 until it is remounted)."""
+        key = f"kvtier-probe/{self.hostname}/{os.getpid()}/{secrets.token_hex(4)}"
+        if is_down(store.batch_is_exist([key])[0]):
+            return False
+        if not (self.lend and self.segment):
+            return True
+        code = store.put(key, bytes(64), self.replicate)
+        if code == OK:
+            store.remove(key)
+        return code == OK
 
     def _follows_leader(self) -> bool:
         """HA: keep the store client (it follows the leader itself) once a leader answers;
         raise TierUnavailableError while none does; False when it must be rebuilt."""
-        if not self.master.ha:
-            return False
         leader = current_leader(self.master.etcd)
         if leader is None or not master_answers(leader.address):
             raise TierUnavailableError(f"tier {self.cfg.name!r}: no {self._where()} leads; "
@@ -359,28 +430,16 @@ class MooncakeClient:
         now = time.monotonic()
         if self._term is None or self._term[0] != leader.term:
             self._term = (leader.term, now)
-        return now - self._term[1] < HA_REBUILD_AFTER_S
+        return now - self._term[1] < REBUILD_AFTER_S
 
     def session(self) -> "_Session":
-        """A context manager yielding the live store client for one batch of calls."""
+        """A context manager yielding the live store client for one batch of calls; while
+        the client is down, TierUnavailableError at once (a reconnect runs meanwhile)."""
         if self._closed:
             raise TierError(f"tier {self.cfg.name!r} is closed")
         if self._down:
-            # A master across a cut link takes a probe's whole timeout to say it is not
-            # there (the SYN is dropped; a master that is down on a reachable host refuses
-            # at once): after such a slow failure, fail at once for RECONNECT_EVERY_S, so
-            # no call waits on it again and again.
-            now = time.monotonic()
-            if now < self._retry_at:
-                raise TierUnavailableError(f"{self._down_error} (retrying within "
-                                           f"{RECONNECT_EVERY_S:g}s)")
-            try:
-                self._reconnect()
-            except TierError as e:
-                if time.monotonic() - now >= PROBE_S:
-                    self._retry_at = time.monotonic() + RECONNECT_EVERY_S
-                    self._down_error = str(e)
-                raise
+            self._start_reconnect()
+            raise TierUnavailableError(self._down_error)
         handle = self._handle
         with handle.cv:
             handle.active += 1
@@ -395,13 +454,16 @@ class MooncakeClient:
         wrong); return the error to raise."""
         self._down = True
         answering = master_reachable(self.master, PROBE_S)
-        fix = ("the master answers again: the next call reconnects" if answering else
-               "a standby takes over within ~10 s; the next call follows it" if self.master.ha
-               else "start it again (`kvtier master`) or check the network; the next call "
-               "reconnects")
+        fix = ("the master answers again: reconnecting in the background" if answering else
+               "a standby takes over within ~10 s; the client follows it" if self.master.ha
+               else "start it again (`kvtier master`) or check the network; the client "
+               "reconnects by itself")
         what = f"failed with code {code}" if isinstance(code, int) else code
-        return TierUnavailableError(f"tier {self.cfg.name!r}: {op} {what}: "
-                                    f"{self._where()} unreachable; {fix}")
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+        self._down_error = (f"tier {self.cfg.name!r}: {op} {what}: {self._where()} "
+                            f"unreachable; {fix}")
+        return TierUnavailableError(self._down_error)
 
     # ---- registered memory ---------------------------------------------------------------
 
@@ -476,4 +538,9 @@ class MooncakeClient:
             self._closed = True
             handle = self._handle
         handle.close_when_idle()
+        with self._state_lock:
+            running = self._reconnecting
+        if running is not None:  # it closes the client it replaced: let it finish
+            wait([running], CLOSE_JOIN_S)
+        self._reconnector.shutdown(wait=False)
         self._regs = ([], [])

@@ -27,7 +27,7 @@ that died; the master forgets it after its client TTL) is a miss counted in `err
 object is larger than the caller's out buffer) is the caller's ValueError, the block kept; -200
 (pool full, nothing evictable) is retried with exponential back-off from `retry_backoff_s`,
 then raised as `TierFullError`; a master that does not answer is `TierUnavailableError`, and
-the next call reconnects (see `mooncake_client`). While an earlier lookup that passed
+the client reconnects in the background (see `client`). While an earlier lookup that passed
 `call_timeout_s` still runs (a client settling after its master restarted), `contains`
 skips the pool at once instead of waiting the timeout again.
 
