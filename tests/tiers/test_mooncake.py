@@ -338,6 +338,33 @@ def test_master_killed_mid_run_then_restarted_on_the_same_port(tmp_path, monkeyp
     assert not files or not list(shm.glob("kvtier-seg-*"))
 
 
+def test_a_client_whose_probe_put_keeps_failing_resumes_after_the_wait(tmp_path, monkeypatch,
+                                                                       caplog):
+    """After a master restart the client resumes once a probe put lands in its segment; a
+    put that keeps failing while calls are answered (-200: a full pool looks like a segment
+    not remounted yet) resumes the same client after `READY_WAIT_S`, not a rebuild."""
+    from kvtier.tiers.mooncake import client as client_mod
+    monkeypatch.setattr(client_mod, "READY_WAIT_S", 0.3)
+    master = start_master(tmp_path)
+    tier = open_pool(tmp_path, master.address)
+    try:
+        first = tier.client._handle
+        real = tier.client._serves
+        # the fault: every probe put is refused (a pool full of objects nothing can evict)
+        monkeypatch.setattr(tier.client, "_serves", lambda store: real(store) and None)
+        keys, frames = frames_for(1, 4096)
+        master.kill()
+        with pytest.raises(TierUnavailableError):
+            tier.contains(keys)
+        master = EmbeddedMaster(master.cfg, log_path=tmp_path / "m2.log").start()
+        assert answered(lambda: tier.contains(keys)) == [False]
+        assert tier.client._handle is first
+        assert "a full pool, or a segment not remounted yet" in caplog.text
+    finally:
+        tier.close()
+        master.stop()
+
+
 def test_two_processes_exchange_blocks(tmp_path):
     from mooncake_peer import key_for, payload  # tests/tiers is on sys.path (rootdir import)
 
@@ -721,20 +748,20 @@ def test_a_new_mapping_has_its_pages_mapped_in_the_background(tmp_path):
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def test_lookups_skip_a_settling_pool_at_once_until_its_slow_lookup_answers(pool, monkeypatch):
-    """A lookup with no answer in `call_timeout_s` while the master answers (a client still
-    remounting after its master restarted) costs that timeout once; the lookups after it
+def test_lookups_skip_a_hung_pool_at_once_until_its_slow_lookup_answers(pool, monkeypatch):
+    """A lookup with no answer in `call_timeout_s` while the master accepts connections (a
+    master stopped, not gone) costs that timeout once; the lookups after it
     skip the pool at once while it is still running, and ask again once it has answered."""
     keys, frames = frames_for(2, 4096)
     assert pool.put(keys, frames) == [True, True]
     release = threading.Event()
     real = pool._exist
 
-    def settling(batch):  # the fault: Mooncake's call hangs while the client settles
+    def hung(batch):  # the fault: Mooncake's call hangs (a master stopped, not gone)
         release.wait(10)
         return real(batch)
 
-    monkeypatch.setattr(pool, "_exist", settling)
+    monkeypatch.setattr(pool, "_exist", hung)
     t0 = time.monotonic()
     with pytest.raises(TierUnavailableError, match="skips the pool"):
         pool.contains(keys)

@@ -389,36 +389,43 @@ class MooncakeClient:
 
     def _recovered(self) -> bool:
         """Whether calls can resume on the same client; raise TierUnavailableError while no
-        master answers (or it is still remounting); False when it must be rebuilt."""
+        master answers (or the client's calls fail); False when it must be rebuilt."""
         if self.master.ha:
             if not self._follows_leader():
                 return False
         else:
             self._ensure_master()
             if self.cfg.service:  # a pool service that went away: its client goes with it
-                return master_answers(self.cfg.service) and self._serves(self._handle.store)
+                return (master_answers(self.cfg.service)
+                        and self._serves(self._handle.store) is not False)
             if time.monotonic() - (self._down_since or time.monotonic()) > REBUILD_AFTER_S:
                 return False
         until = time.monotonic() + READY_WAIT_S
-        while not self._serves(self._handle.store):
+        while (serves := self._serves(self._handle.store)) is not True:
             if time.monotonic() > until:
+                if serves is None:  # calls are answered: a full pool looks the same
+                    log.warning("tier %r: a probe put into this client's segment failed for "
+                                "%gs (a full pool, or a segment not remounted yet); calls "
+                                "resume", self.cfg.name, READY_WAIT_S)
+                    return True
                 raise TierUnavailableError(f"tier {self.cfg.name!r}: {self._where()} answers "
-                                           "but this client does not serve yet; retried")
+                                           "but this client's calls fail; retried")
             time.sleep(READY_POLL_S)
         return True
 
-    def _serves(self, store: Any) -> bool:
-        """Whether `store` serves again: the master answers its calls and, when it lends a
-        segment, a probe object can be put there (puts answer -200 until it is remounted)."""
+    def _serves(self, store: Any) -> bool | None:
+        """Whether `store` serves again: False while the master does not answer its calls;
+        None while a probe object cannot be put in its segment (puts answer -200 until it
+        is remounted); True once it can, or when it lends no segment."""
         key = f"kvtier-probe/{self.hostname}/{os.getpid()}/{secrets.token_hex(4)}"
         if is_down(store.batch_is_exist([key])[0]):
             return False
         if not (self.lend and self.segment):
             return True
-        code = store.put(key, bytes(64), self.replicate)
-        if code == OK:
-            store.remove(key)
-        return code == OK
+        if store.put(key, bytes(64), self.replicate) != OK:
+            return None
+        store.remove(key)
+        return True
 
     def _follows_leader(self) -> bool:
         """HA: keep the store client (it follows the leader itself) once a leader answers;

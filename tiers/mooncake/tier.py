@@ -28,7 +28,7 @@ object is larger than the caller's out buffer) is the caller's ValueError, the b
 (pool full, nothing evictable) is retried with exponential back-off from `retry_backoff_s`,
 then raised as `TierFullError`; a master that does not answer is `TierUnavailableError`, and
 the client reconnects in the background (see `client`). While an earlier lookup that passed
-`call_timeout_s` still runs (a client settling after its master restarted), `contains`
+`call_timeout_s` still runs (a hung master: Mooncake's RPC gives up after ~30 s), `contains`
 skips the pool at once instead of waiting the timeout again.
 
 Objects live in the segments of the clients that lent them: when a process exits, the blocks
@@ -68,8 +68,8 @@ MIN_RUN = 8                 # fewer frames at one stride are copied, not read in
 PROBE_EVERY = 16            # a predicted run is checked at every 16th frame's key
 TRANSFER_THREADS = 4        # transfers of concurrent calls in flight at once
 LOOKUP_THREADS = 2          # lookups in flight at once (one may hang on a cut link)
-# While a lookup that had no answer in `call_timeout_s` is still running (a client settling
-# after its master restarted), later lookups skip the pool at once, for at most this long.
+# While a lookup that had no answer in `call_timeout_s` is still running (a hung master, a
+# busy host), later lookups skip the pool at once, for at most this long.
 SETTLING_SKIP_S = 5.0
 STAGING_POLL_S = 0.05       # a call waiting for staging looks for a new area this often
 MAX_SPARE_STAGING = 2       # staging areas added for calls stuck behind late transfers
@@ -125,8 +125,8 @@ class MooncakeTier(Tier):
         except FutureTimeout:
             what = f"had no answer within {self.cfg.call_timeout_s:g}s (call_timeout_s)"
             if self.client.master_answers():
-                # slow, not gone (a client still settling after the master restarted, a
-                # busy host): a miss this once; reconnecting would stall the tier again
+                # slow, not gone (a master that accepts connections but hangs, a
+                # busy host): a miss this once, the client kept
                 self._unanswered = (asked, time.monotonic())
                 raise TierUnavailableError(f"tier {self.cfg.name!r}: batch_is_exist {what}; "
                                            "the master answers: this call skips the pool"
@@ -148,7 +148,7 @@ class MooncakeTier(Tier):
     def _skip_while_unanswered(self) -> None:
         """Raise TierUnavailableError at once while a lookup that timed out is still
         running (up to `SETTLING_SKIP_S`): each would wait `call_timeout_s` for the same
-        settling client, and the scheduler waits with it."""
+        hung master, and the scheduler waits with it."""
         if self._unanswered is None:
             return
         asked, since = self._unanswered
