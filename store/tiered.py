@@ -2,8 +2,9 @@
 
 Primitives (batched; a miss is a value):
 - `lookup(keys, hint) -> LookupResult`: the longest prefix of `keys` held by any tier, and the
-  tier that holds each block, in one pass (one `contains` per tier: one master query, one
-  LMDB read transaction, one stat batch). `where(keys)`: the same, each key on its own.
+  tier that holds each block (one master query; the tiers below the pool asked in growing
+  windows, only up to the first key none holds). `where(keys)`: the tier of each key on
+  its own (every tier asked about every key it needs).
 - `load(keys, outs) -> list[int]`: each block from the fastest tier that holds it, verified;
   payload length or `MISS`. A hit below the first tier may schedule a promotion.
 - `locate(keys, where)` then `confirm(keys, runs, checksums)`: blocks of the first tier the
@@ -53,6 +54,7 @@ from kvtier.tiers.mooncake.master import EmbeddedMaster, ensure_master
 from kvtier.tiers.registry import open_tier
 
 log = thin(logging.getLogger(__name__))  # a tier away: one line per message per 10 s
+PREFIX_WINDOW = 16  # keys a lookup first asks the tiers below the first about
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,7 @@ class TieredStore:
         check_keys(keys)
         if not 0 <= held <= len(keys):
             raise ValueError(f"held={held} is outside 0..{len(keys)} (the number of keys)")
-        found = self._where(keys, held)
+        found = self._prefix_where(keys, held)
         hits = next((i for i in range(held, len(keys)) if found[i] is None), len(keys))
         if observe:
             self.placement.on_lookup(keys, hits, hint, held)
@@ -158,8 +160,33 @@ class TieredStore:
 
     def _where(self, keys: Sequence[str], start: int) -> list[str | None]:
         found: list[str | None] = [None] * len(keys)
-        for tier in self.tiers:
-            todo = [i for i in range(start, len(keys)) if found[i] is None]
+        self._ask(self.tiers, keys, range(start, len(keys)), found)
+        return found
+
+    def _prefix_where(self, keys: Sequence[str], start: int) -> list[str | None]:
+        """`_where` up to the first key from `start` that no tier holds (the end of the
+        prefix; later entries may stay None). The first tier (the pool: one batched query)
+        is asked about every key; the tiers below it only about the keys from the first one
+        it lacks, in windows of `PREFIX_WINDOW` keys growing 4x, up to the first key none of
+        them holds: a cold prompt costs a file tier one window of lookups (on a network
+        filesystem, one remote stat each), not one per chunk."""
+        found: list[str | None] = [None] * len(keys)
+        self._ask(self.tiers[:1], keys, range(start, len(keys)), found)
+        at, window = start, PREFIX_WINDOW
+        while at < len(keys):
+            at = next((i for i in range(at, len(keys)) if found[i] is None), len(keys))
+            todo = range(at, min(len(keys), at + window))
+            self._ask(self.tiers[1:], keys, todo, found)
+            if any(found[i] is None for i in todo):
+                break
+            at, window = todo.stop, window * 4
+        return found
+
+    def _ask(self, tiers: Sequence[Tier], keys: Sequence[str], idx: Sequence[int],
+             found: list[str | None]) -> None:
+        """Fill `found[i]` (i in `idx`, None so far) with the first of `tiers` holding it."""
+        for tier in tiers:
+            todo = [i for i in idx if found[i] is None]
             if not todo:
                 break
             try:
@@ -170,7 +197,6 @@ class TieredStore:
             for i, hit in zip(todo, present):
                 if hit:
                     found[i] = tier.name
-        return found
 
     def observe_lookup(self, keys: Sequence[str], hits: int, hint: SessionHint | None = None,
                        held: int = 0) -> None:

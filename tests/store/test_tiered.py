@@ -142,6 +142,42 @@ def test_blocks_the_caller_holds_are_not_looked_for(tmp_path, shared_master):
             store.lookup(keys, held=7)
 
 
+def test_a_lookup_asks_the_tiers_below_the_pool_only_up_to_the_end_of_the_prefix(
+        tmp_path, shared_master):
+    """The pool is asked about every key (one query); nvme and sharedfs only from the first
+    key the pool lacks, in growing windows, up to the first key no tier holds: a cold prompt
+    costs them one window, and the answer is the prefix every tier asked about every key
+    gives."""
+    from kvtier.store.tiered import PREFIX_WINDOW
+    keys = block_keys(NS, range(16 * 100))
+    with TieredStore(small_policy(tmp_path, shared_master), mover=False) as store:
+        asked = {t.name: [] for t in store.tiers}
+        for tier in store.tiers:
+            real = tier.contains
+            tier.contains = lambda ks, real=real, n=tier.name: asked[n].extend(ks) or real(ks)
+
+        def lookup():
+            for got in asked.values():
+                got.clear()
+            return store.lookup(keys)
+
+        found = lookup()
+        assert found.hit_blocks == 0 and len(asked["dram"]) == len(keys)
+        assert asked["nvme"] == asked["shared"] == keys[:PREFIX_WINDOW]
+        # the pool holds 0-9, nvme 10-29 (and 70), sharedfs 30-49: the prefix is 50
+        for name, part in (("dram", keys[:10]), ("nvme", keys[10:30] + [keys[70]]),
+                           ("shared", keys[30:50])):
+            assert all(store.by_name[name].put(part, frames_for(part)))
+        found = lookup()
+        assert found.hit_blocks == 50
+        assert found.tiers == ("dram",) * 10 + ("nvme",) * 20 + ("shared",) * 20
+        # windows of 16 then 64 from key 10: nvme is asked about keys 10-89, sharedfs only
+        # about those nvme lacks; no tier about a key past the window the prefix ends in
+        assert asked["nvme"] == keys[10:90]
+        assert asked["shared"] == keys[30:70] + keys[71:90]
+        assert found.tiers == tuple(store.where(keys)[:50])  # every tier, every key
+
+
 def test_reopen_finds_persisted_blocks(tmp_path, shared_master):
     keys = block_keys(NS, range(16 * 4))
     policy = small_policy(tmp_path, shared_master)
