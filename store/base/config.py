@@ -290,6 +290,10 @@ class SharedFSTierConfig(BaseModel):
     fsync: bool = True
     file_mode: FileMode = Field(default=0o600, ge=0, le=0o777)
     stale_temp_after_s: float = Field(default=3600.0, gt=0)
+    # How long a lookup waits for the filesystem (a stat on a hard-mounted network
+    # filesystem whose server is gone blocks until it returns): past it the tier is skipped
+    # until that stat answers.
+    call_timeout_s: float = Field(default=1.0, gt=0, le=600)
     eviction: EvictionConfig | None = None
 
 

@@ -244,6 +244,40 @@ def test_blocks_persisted_on_one_host_read_on_another_over_glusterfs(tmp_path, m
                 and str(tmp_path / "gluster") in _cmdline(p)]
 
 
+def test_a_lookup_on_a_host_cut_off_from_its_glusterfs_bricks_waits_a_timeout_not_the_mount(
+        tmp_path, monkeypatch):
+    """A host cut off from the other bricks: its FUSE mount stalls file operations for the
+    volume's ping timeout and more (measured: a lookup held 19 s by one `stat` before the
+    sharedfs tier bounded its lookups). The first lookup there gives up on the tier after
+    `call_timeout_s` (1 s), the next ones skip it while that stat hangs."""
+    from kvtier.tools.hosts import glusterfs
+    why_not = glusterfs.unavailable(hosts=True)
+    if why_not:
+        pytest.skip(why_not)
+    monkeypatch.chdir(tmp_path)  # glusterd takes absolute paths only: a relative root
+    with HostCluster(3, tmp_path / "c") as c, \
+            glusterfs.GlusterVolume(Path("gluster"), c.hosts) as vol:
+        c.use_shared([m / "shared" for m in vol.mounts])
+        c.start_master(0)
+        node = HostNode(c, 1, "r1", c.write_policy(1, "r1.yaml", tiers=("shared",)))
+        try:
+            assert node.call("save", seed=11, n=8, size=SIZE)["saved"] == 8
+            assert node.call("flush")["pending"] == 0
+            assert node.call("lookup", seed=11, n=8)["hits"] == 8
+            c.hosts.cut(1)
+            try:
+                took = []
+                for seed in (100, 101, 102):  # cold chains: every lookup reaches the mount
+                    t0 = time.monotonic()
+                    assert node.call("lookup", seed=seed, n=64)["hits"] == 0
+                    took.append(time.monotonic() - t0)
+                assert took[0] < DEADLINE_S and max(took[1:]) < 0.5, took
+            finally:
+                c.hosts.restore(1)
+        finally:
+            node.close()
+
+
 def _cmdline(proc: Path) -> str:
     try:
         return (proc / "cmdline").read_bytes().decode(errors="replace")

@@ -178,6 +178,38 @@ def test_a_lookup_asks_the_tiers_below_the_pool_only_up_to_the_end_of_the_prefix
         assert found.tiers == tuple(store.where(keys)[:50])  # every tier, every key
 
 
+def test_a_hung_shared_filesystem_does_not_hold_lookups(tmp_path, shared_master, monkeypatch):
+    """A lookup whose sharedfs mount hangs (injected: a stat that does not return, as on a
+    hard mount whose server is gone) answers from the other tiers after the tier's
+    `call_timeout_s`, and the next lookups at once."""
+    import threading
+    from kvtier.tiers.sharedfs import files
+    keys = block_keys(NS, range(16 * 8))
+    policy = small_policy(tmp_path, shared_master)
+    shared = {"name": "shared", "kind": "sharedfs", "path": str(tmp_path / "shared"),
+              "capacity": "64MiB", "call_timeout_s": 0.3}
+    policy = make_policy(tmp_path, master_address=shared_master.address,
+                         tiers=[*[t.model_dump(by_alias=True) for t in policy.tiers[:2]],
+                                shared], admission={"kind": "always"})
+    release = threading.Event()
+    real = files.is_file
+    with TieredStore(policy, mover=False) as store:
+        store.save(keys[:4], frames_for(keys[:4]))
+        stats = []
+        monkeypatch.setattr(files, "is_file",
+                            lambda p: stats.append(p) or (release.wait(30) and real(p)))
+        try:
+            t0 = time.monotonic()
+            found = store.lookup(keys)
+            assert found.hit_blocks == 4 and found.tiers == ("dram",) * 4
+            assert time.monotonic() - t0 < 5  # not the 30 s the stat hangs
+            assert len(stats) == 1  # the first stat hangs
+            found = store.lookup(keys)  # skips the tier: no stat while that one hangs
+            assert found.hit_blocks == 4 and len(stats) == 1
+        finally:
+            release.set()
+
+
 def test_reopen_finds_persisted_blocks(tmp_path, shared_master):
     keys = block_keys(NS, range(16 * 4))
     policy = small_policy(tmp_path, shared_master)

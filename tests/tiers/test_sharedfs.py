@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -217,3 +218,44 @@ def test_a_filesystem_gone_makes_the_tier_unavailable_not_a_crash(tier, monkeypa
             call()
     monkeypatch.setattr(files, "is_file", real)
     assert tier.contains(keys) == [True, True]
+
+
+def test_a_hung_mount_costs_a_lookup_its_timeout_once_then_is_skipped_until_it_answers(
+        spec, monkeypatch):
+    """A `stat` on a hard-mounted network filesystem whose server is gone blocks until the
+    server returns. Injected (this host has no network filesystem to cut): the stat hangs.
+    The first lookup waits `call_timeout_s` and says why; the lookups after it fail at once
+    while the stat hangs; once it returns the tier answers again."""
+    from kvtier.store.base.errors import TierUnavailableError
+    from kvtier.tiers.sharedfs import files
+    t = open_spec(replace(spec, extra={"call_timeout_s": 0.3}))
+    try:
+        keys = keys_for(0, 3)
+        assert put(t, keys) == [True] * 3
+        release = threading.Event()
+        real = files.is_file
+
+        stats = []
+
+        def hung(path):  # the fault: the filesystem does not answer
+            stats.append(path)
+            release.wait(30)
+            return real(path)
+
+        monkeypatch.setattr(files, "is_file", hung)
+        t0 = time.monotonic()
+        with pytest.raises(TierUnavailableError, match=r"no answer within 0.3s.*hangs"):
+            t.contains(keys)
+        assert 0.25 <= time.monotonic() - t0 < 5
+        for _ in range(3):
+            with pytest.raises(TierUnavailableError, match="waits behind an earlier one"):
+                t.contains(keys)
+        assert len(stats) == 1  # no stat while the first one hangs
+        monkeypatch.setattr(files, "is_file", real)
+        release.set()
+        deadline = time.monotonic() + 10
+        while t._lookups.hung() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert t.contains(keys) == [True] * 3
+    finally:
+        close(t)

@@ -42,7 +42,6 @@ import collections
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Sequence
 
 from kvtier.store.base.block import (HEADER_SIZE, KEY_AT, KEY_LEN, parse_header, verified_len,
@@ -51,6 +50,7 @@ from kvtier.store.base.config import MooncakeTierConfig
 from kvtier.store.base.errors import CorruptBlockError, TierError, TierUnavailableError
 from kvtier.store.base.verify_pool import verified_lens
 from kvtier.tiers.base import MISS, InPlaceRun, Tier, full_error
+from kvtier.tiers.bounded import BoundedCalls, Unanswered
 from kvtier.tiers.mooncake import check as mooncake_check
 from kvtier.tiers.mooncake.client import (INVALID_PARAMS, MISS_CODES, NO_AVAILABLE_HANDLE,
                                           OK, TRANSFER_FAIL, MooncakeClient, buffer_address,
@@ -70,7 +70,7 @@ TRANSFER_THREADS = 4        # transfers of concurrent calls in flight at once
 LOOKUP_THREADS = 2          # lookups in flight at once (one may hang on a cut link)
 # While a lookup that had no answer in `call_timeout_s` is still running (a hung master, a
 # busy host), later lookups skip the pool at once, for at most this long.
-SETTLING_SKIP_S = 5.0
+HUNG_SKIP_S = 5.0
 STAGING_POLL_S = 0.05       # a call waiting for staging looks for a new area this often
 MAX_SPARE_STAGING = 2       # staging areas added for calls stuck behind late transfers
 
@@ -94,9 +94,8 @@ class MooncakeTier(Tier):
         # Several: a transfer stuck on a stalled lender must not hold up the next call.
         self._worker = ThreadPoolExecutor(TRANSFER_THREADS,
                                           thread_name_prefix=f"kvtier-{cfg.name}")
-        self._lookups = ThreadPoolExecutor(LOOKUP_THREADS,
-                                           thread_name_prefix=f"kvtier-{cfg.name}-lookup")
-        self._unanswered: tuple | None = None  # (the lookup, when it timed out)
+        self._lookups = BoundedCalls(f"{cfg.name}-lookup", LOOKUP_THREADS, cfg.call_timeout_s,
+                                     HUNG_SKIP_S)
         self.usage = PoolUsage(cfg.capacity_bytes, self.client, ctx.master)
         self.unreachable = Lenders()
         # Other processes' segments of this node, read straight from their files.
@@ -113,21 +112,20 @@ class MooncakeTier(Tier):
     def contains(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
-        self._skip_while_unanswered()
         # Bounded: a master across a cut link answers nothing for ~30 s (Mooncake's RPC
         # timeout), and a lookup must never cost more than the recompute it could save.
         try:
-            asked = self._lookups.submit(self._exist, list(keys))
-        except RuntimeError:  # its executor is shut down: the tier was closed
-            raise TierError(f"tier {self.cfg.name!r} is closed") from None
-        try:
-            codes = asked.result(timeout=self.cfg.call_timeout_s)
-        except FutureTimeout:
+            codes = self._lookups.run(self._exist, list(keys))
+        except Unanswered as e:
+            if not e.waited:
+                raise TierUnavailableError(f"tier {self.cfg.name!r}: an earlier "
+                                           "batch_is_exist has not answered yet (past "
+                                           "call_timeout_s); this call skips the pool"
+                                           ) from None
             what = f"had no answer within {self.cfg.call_timeout_s:g}s (call_timeout_s)"
             if self.client.master_answers():
                 # slow, not gone (a master that accepts connections but hangs, a
                 # busy host): a miss this once, the client kept
-                self._unanswered = (asked, time.monotonic())
                 raise TierUnavailableError(f"tier {self.cfg.name!r}: batch_is_exist {what}; "
                                            "the master answers: this call skips the pool"
                                            ) from None
@@ -144,20 +142,6 @@ class MooncakeTier(Tier):
             self._drop_blocked(keys, out, blocked)
         self.usage.forget([k for k, hit in zip(keys, out) if not hit])
         return out
-
-    def _skip_while_unanswered(self) -> None:
-        """Raise TierUnavailableError at once while a lookup that timed out is still
-        running (up to `SETTLING_SKIP_S`): each would wait `call_timeout_s` for the same
-        hung master, and the scheduler waits with it."""
-        if self._unanswered is None:
-            return
-        asked, since = self._unanswered
-        if asked.done() or time.monotonic() - since > SETTLING_SKIP_S:
-            self._unanswered = None
-            return
-        raise TierUnavailableError(f"tier {self.cfg.name!r}: an earlier batch_is_exist "
-                                   "has not answered yet (past call_timeout_s); this call "
-                                   "skips the pool")
 
     def _drop_blocked(self, keys: Sequence[str], present: list[bool], blocked: set[str]
                       ) -> None:
@@ -479,7 +463,7 @@ class MooncakeTier(Tier):
         return self.client.alloc_shared(nbytes)
 
     def close(self) -> None:
-        self._lookups.shutdown(wait=False)  # a lookup left hanging ends with its RPC
+        self._lookups.close()  # a lookup left hanging ends with its RPC
         self._worker.shutdown(wait=True)
         self.client.close()
         if self.segments is not None:

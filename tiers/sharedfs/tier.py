@@ -41,6 +41,7 @@ from kvtier.store.base.errors import (ConfigError, CorruptBlockError, TierError,
 from kvtier.store.base.index_record import PENDING, READY, Entry, owner_alive
 from kvtier.tiers.base import TierContext
 from kvtier.tiers.base import MISS, Tier, full_error
+from kvtier.tiers.bounded import BoundedCalls, Unanswered
 from kvtier.tiers.files.buffers import checked_header
 from kvtier.tiers.files.paths import prepare_tier_dir
 from kvtier.tiers.sharedfs import check as sharedfs_check
@@ -50,6 +51,7 @@ from kvtier.tiers.sharedfs.fifo import AgeQueue, created_ns
 
 log = logging.getLogger(__name__)
 IO_THREADS = 16  # concurrent file operations per batch: enough to hide NFS round trips
+LOOKUP_THREADS = 2  # lookups in flight at once (one may hang on a mount whose server is gone)
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # The filesystem itself is gone (a network mount whose servers or link went away, a FUSE
 # client killed): the tier is unavailable for now, its blocks are not missing.
@@ -79,6 +81,8 @@ class SharedFSTier(Tier):
         self._dirs = files.DirCache(self.root)
         self._ages = AgeQueue(ctx.index, cfg.name)
         self._loop = LoopThread(f"kvtier-{cfg.name}", IO_THREADS)
+        # Lookups run on the scheduler's thread: a hung mount must cost them a timeout once.
+        self._lookups = BoundedCalls(f"{cfg.name}-lookup", LOOKUP_THREADS, cfg.call_timeout_s)
         self._stop = threading.Event()
         self._closed = False
         if ctx.recover:  # a check opens without it: it must see the leftovers (sharedfs_check)
@@ -89,6 +93,17 @@ class SharedFSTier(Tier):
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
+        try:
+            return self._lookups.run(self._exist, list(keys))
+        except Unanswered as e:
+            what = (f"had no answer within {self.cfg.call_timeout_s:g}s (call_timeout_s)"
+                    if e.waited else "waits behind an earlier one that has not answered")
+            raise TierUnavailableError(
+                f"sharedfs tier {self.name!r}: a lookup under {self.root} {what}: the "
+                "filesystem hangs (a network mount whose server is gone?); its blocks are "
+                "skipped until it answers") from None
+
+    def _exist(self, keys: list[str]) -> list[bool]:
         with self._reachable():
             return [files.is_file(files.block_path(self.root, k)) for k in keys]
 
@@ -170,6 +185,7 @@ class SharedFSTier(Tier):
             return
         self._closed = True
         self._stop.set()
+        self._lookups.close()
         self._loop.close()
 
     # ---- maintenance -------------------------------------------------------------------
