@@ -32,12 +32,13 @@ class Unanswered(Exception):
 
 
 class BoundedCalls:
-    """Calls on `threads` worker threads, each waited for at most `timeout_s` (thread-safe)."""
+    """Calls on `threads` worker threads, each waited for at most `timeout_s` (thread-safe);
+    `name`: the tier they serve."""
 
     def __init__(self, name: str, threads: int, timeout_s: float,
                  skip_s: float | None = None):
         self.name, self.timeout_s, self.skip_s = name, timeout_s, skip_s
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-{name}-calls")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-{name}-lookup")
         self._lock = threading.Lock()
         self._unanswered: tuple[Future, float] | None = None  # (the call, when it timed out)
 

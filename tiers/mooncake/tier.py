@@ -94,7 +94,7 @@ class MooncakeTier(Tier):
         # Several: a transfer stuck on a stalled lender must not hold up the next call.
         self._worker = ThreadPoolExecutor(TRANSFER_THREADS,
                                           thread_name_prefix=f"kvtier-{cfg.name}")
-        self._lookups = BoundedCalls(f"{cfg.name}-lookup", LOOKUP_THREADS, cfg.call_timeout_s,
+        self._lookups = BoundedCalls(cfg.name, LOOKUP_THREADS, cfg.call_timeout_s,
                                      HUNG_SKIP_S)
         self.usage = PoolUsage(cfg.capacity_bytes, self.client, ctx.master)
         self.unreachable = Lenders()

@@ -82,7 +82,7 @@ class SharedFSTier(Tier):
         self._ages = AgeQueue(ctx.index, cfg.name)
         self._loop = LoopThread(f"kvtier-{cfg.name}", IO_THREADS)
         # Lookups run on the scheduler's thread: a hung mount must cost them a timeout once.
-        self._lookups = BoundedCalls(f"{cfg.name}-lookup", LOOKUP_THREADS, cfg.call_timeout_s)
+        self._lookups = BoundedCalls(cfg.name, LOOKUP_THREADS, cfg.call_timeout_s)
         self._stop = threading.Event()
         self._closed = False
         if ctx.recover:  # a check opens without it: it must see the leftovers (sharedfs_check)
