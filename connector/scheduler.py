@@ -269,10 +269,10 @@ class SchedulerSide:
         except KVTierError as e:
             log.warning("kvtier: lookup of recurrent states failed: %s", e)
             return 0, 0, None, None
-        tails.reverse()
+        tail_tiers = iter(tails)  # one per position of `have` inside a chunk, in order
         for pos, key, tier in have:
             if pos % C:
-                tier = tails.pop()
+                tier = next(tail_tiers)
             if tier:
                 return pos // C, pos % C, key, tier
         return 0, 0, None, None

@@ -116,15 +116,11 @@ class _Handle:
         self.store = store
         self.lent = lent  # the file its segment is lent from (`segment_dir`)
         self.active = 0
-        self.closed = False
         self.cv = threading.Condition(threading.Lock())  # not the default RLock: cheaper
 
     def close_when_idle(self, timeout_s: float = 30.0) -> None:
-        """Close the client once no call runs on it (at most `timeout_s` from now); once."""
+        """Close the client once no call runs on it (at most `timeout_s` from now)."""
         with self.cv:
-            if self.closed:
-                return
-            self.closed = True
             self.cv.wait_for(lambda: self.active == 0, timeout_s)
         self.store.close()
         if self.lent is not None:
