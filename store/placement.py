@@ -27,7 +27,7 @@ from kvtier.eviction import PolicyContext, make_policy
 from kvtier.eviction.admission import make_admission
 from kvtier.store.base.config import Policy
 from kvtier.store.base.index_record import READY
-from kvtier.store.sessions.persist import delete_sessions, write_sessions
+from kvtier.store.sessions.persist import RowWriter, delete_sessions
 from kvtier.store.sessions.tracker import SessionTracker
 
 PIN_S = 30.0
@@ -73,6 +73,7 @@ class Placement:
         # Blocks that entered or left a tier since the stored session rows were written
         # (None: too many to track, rewrite them all).
         self._moved: set[str] | None = set()
+        self.rows = RowWriter(index)  # session rows, written off the caller's thread
         self._load_index(index)
 
     def _load_index(self, index) -> None:
@@ -170,7 +171,7 @@ class Placement:
             row = self._session_row(sid, now)
             chain = self.sessions.chain(sid)
         if row is not None:
-            write_sessions(self.index, [(str(sid), row, chain)])
+            self.rows.put([(str(sid), row, chain)])
 
     # ---- questions from the mover -------------------------------------------------------
 
@@ -236,6 +237,8 @@ class Placement:
             now = self.clock()
             ended, keys = self.sessions.reap(now)
             keys = [k for k in keys if self._pins.get(k, 0) <= now]
+        if ended:
+            self.rows.flush()  # no row queued before its session ended is written after
         delete_sessions(self.index, [str(s) for s in ended])
         return keys
 
@@ -244,7 +247,8 @@ class Placement:
         the last call; returns how many. A turn's end writes its row at once, but that
         turn's saves, and every later demotion or eviction, land after it: without this,
         `inspect sessions` would show the blocks per tier as they were at the turn's end.
-        Mover thread only (as `reap`, so a row is never rewritten after its session ended)."""
+        Mover thread only (as `reap`, so a row is never rewritten after its session ended).
+        The rows are queued on `rows`, behind those of turns that ended before."""
         with self._lock:
             moved, self._moved = self._moved, set()
             if moved is None:
@@ -254,7 +258,7 @@ class Placement:
             now = self.clock()
             rows = [(str(sid), row, self.sessions.chain(sid)) for sid in sids
                     if (row := self._session_row(sid, now)) is not None]
-        write_sessions(self.index, rows)
+        self.rows.put(rows)
         return len(rows)
 
     def selection(self) -> dict[str, dict]:

@@ -366,8 +366,13 @@ class TieredStore:
         return stored
 
     def finish(self, keys: Sequence[str], hint: SessionHint | None = None) -> None:
-        """A request over these keys ended: the session's turn is over."""
+        """A request over these keys ended: the session's turn is over. Its row reaches the
+        index a moment later, written off this thread (`flush_sessions` waits for it)."""
         self.placement.on_finish(keys, hint)
+
+    def flush_sessions(self) -> None:
+        """Return once the rows of every turn ended so far are in the index."""
+        self.placement.rows.flush()
 
     # ---- housekeeping -------------------------------------------------------------------
 
@@ -389,6 +394,7 @@ class TieredStore:
         self._deadlines.close()
         self.save_counters()
         self._close_tiers()
+        self.placement.rows.close()
         self.index.close()
 
     def _close_tiers(self) -> None:

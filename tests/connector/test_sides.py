@@ -347,6 +347,7 @@ def test_session_hints_reach_the_store_and_later_turns_are_inferred(sides):
         run_worker(sides.worker, step(sides.sched, [(req_id, ids, 0)], {req_id: len(tokens)}))
         r.num_computed_tokens = len(tokens)
         sides.sched.request_finished(r, (ids,))
+        sides.sched.store.flush_sessions()  # rows are written off the engine's thread
         chains = {sid: chain for sid, _, chain in read_sessions(sides.sched.store.index)}
         assert set(chains) == {"agent-7"}  # the second turn was attached without a hint
         assert len(chains["agent-7"]) == (len(tokens) - 1) // CHUNK
@@ -378,6 +379,7 @@ def test_a_turn_ending_on_a_tool_call_is_learned_as_a_tool_wait(sides):
             store = sides.worker.store
         assert store.placement.sessions._sessions[req_id].cls == want
         # and operators see it (`inspect sessions` reads this row)
+        store.flush_sessions()
         assert {sid: rec for sid, rec, _ in read_sessions(store.index)}[req_id][
             "waits_for"] == want
 
@@ -419,11 +421,13 @@ def test_with_the_workers_elsewhere_lookups_and_turn_ends_reach_their_store(side
     sides.sched.request_finished(r, (ids,))
     # the turn ended with the engine's last request: it must step once more to tell
     assert sides.sched.has_pending_push_work()
+    sides.worker.store.flush_sessions()
     assert "agent-9" not in {sid for sid, _, _ in read_sessions(sides.worker.store.index)}
     meta = step(sides.sched)
     assert not sides.sched.has_pending_push_work()
     assert [e.kind for e in meta.events] == ["finish"]
     run_worker(sides.worker, pickle.loads(pickle.dumps(meta)))
+    sides.worker.store.flush_sessions()
     rows = {sid: (rec, chain) for sid, rec, chain in read_sessions(sides.worker.store.index)}
     rec, chain = rows["agent-9"]
     chunks = (len(tokens) - 1) // CHUNK

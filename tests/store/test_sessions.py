@@ -211,3 +211,48 @@ def test_two_writers_of_one_session_keep_both_chains_in_its_manifest(tmp_path):
         ix.close()
     assert (sid, rec) == ("s1", {"turns": 2})
     assert chain[:4] == keys[:2] + keys[4:] and sorted(chain) == keys
+
+
+def test_session_rows_are_written_off_the_callers_thread_in_order(tmp_path, caplog):
+    """A turn's end must not wait on the index's write lock (another process of the node may
+    hold it) or its sync: the row is queued, written in order, and `flush` waits for it."""
+    import threading
+    import time
+
+    from kvtier.store.base.index import Index
+    from kvtier.store.sessions.persist import RowWriter, read_sessions
+
+    keys = [f"{i:048x}" for i in range(4)]
+    ix = Index(tmp_path / "index")
+    rows = RowWriter(ix)
+    held, release = threading.Event(), threading.Event()
+
+    def hold(txn):  # another writer holds the index's write lock
+        held.set()
+        release.wait(10)
+
+    holder = threading.Thread(target=ix.run_write, args=(hold,))
+    holder.start()
+    try:
+        assert held.wait(10)
+        t0 = time.monotonic()
+        rows.put([("s1", {"turns": 1}, keys[:2])])
+        rows.put([("s1", {"turns": 2}, keys)])
+        assert time.monotonic() - t0 < 0.5
+        assert not list(read_sessions(ix))  # still queued behind the lock
+    finally:
+        release.set()
+        holder.join(10)
+    rows.flush()
+    (sid, rec, chain), = list(read_sessions(ix))
+    assert (sid, rec, chain) == ("s1", {"turns": 2}, keys)  # the later row is the last one
+
+    # a failed write is logged and the writer goes on
+    rows.put([("s2", {"turns": 1}, ["not a key"])])
+    rows.put([("s3", {"turns": 1}, keys[:1])])
+    rows.close()
+    assert "the row of session s2 not written" in caplog.text
+    assert {sid for sid, _, _ in read_sessions(ix)} == {"s1", "s3"}
+    with pytest.raises(Exception, match="after the store was closed"):
+        rows.put([("s4", {"turns": 1}, keys[:1])])
+    ix.close()

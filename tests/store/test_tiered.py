@@ -324,6 +324,7 @@ def test_session_rows_follow_blocks_that_land_or_move_after_the_turn(tmp_path, s
     hint = SessionHint("agent-7")
 
     def row():
+        store.flush_sessions()  # rows are written off the caller's thread
         return {sid: rec for sid, rec, _ in read_sessions(store.index)}["agent-7"]
 
     with TieredStore(small_policy(tmp_path, shared_master), mover=False) as store:
