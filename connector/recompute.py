@@ -51,7 +51,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
 
 log = logging.getLogger(__name__)
 WINDOW = 256          # steps the fit looks at
@@ -69,9 +68,11 @@ class RecomputeModel:
 
     def __init__(self, prior_tokens_per_s: float = 2000.0, max_batch_tokens: int = 8192):
         self.max_batch = max(1, int(max_batch_tokens))
-        self._coef = np.array([PRIOR_STEP_S, 1.0 / prior_tokens_per_s, 0.0])
-        self._prior = self._coef.copy()
-        self._rows: list[tuple[float, float, float]] = []  # (N, A, seconds)
+        self._coef = self._prior = (PRIOR_STEP_S, 1.0 / prior_tokens_per_s, 0.0)
+        self._scale = _scale(self._prior, self.max_batch)
+        self._rows: deque[tuple[float, float, float]] = deque()  # (N, A, seconds)
+        self._sums = [0.0] * 9  # the fit's normal equations over `_rows` (`_terms`)
+        self._seen = 0
         # size class (log2 N, log2 A) -> its recent (N, A, seconds): the measured bounds
         self._classes: dict[tuple[int, int], deque] = {}
         # size class -> the median of its recent steps, once it has CLASS_MIN of them
@@ -93,8 +94,16 @@ class RecomputeModel:
             return
         first = False
         with self._lock:
-            self._rows.append((tokens, attn, seconds))
-            del self._rows[:-WINDOW]
+            row = (tokens, attn, seconds)
+            self._rows.append(row)
+            _add(self._sums, _terms(row, self._scale), 1.0)
+            if len(self._rows) > WINDOW:
+                _add(self._sums, _terms(self._rows.popleft(), self._scale), -1.0)
+            self._seen += 1
+            if self._seen % WINDOW == 0:  # no rounding carried over from the rows dropped
+                self._sums = [0.0] * 9
+                for old in self._rows:
+                    _add(self._sums, _terms(old, self._scale), 1.0)
             size = _size_class(tokens, attn)
             steps = self._classes.setdefault(size, deque(maxlen=CLASS_STEPS))
             steps.append((tokens, attn, seconds))
@@ -105,7 +114,7 @@ class RecomputeModel:
             if len(self._rows) >= MIN_STEPS and self._since_fit >= every:
                 self._since_fit = 0
                 first = not self._fits
-                self._coef = _fit(np.array(self._rows), self._prior, self.max_batch)
+                self._coef = _fit(self._sums, self._prior, self._scale)
                 self._fits += 1
         if first:
             log.info("kvtier: prefill cost learned from %d steps: %s tokens recompute in "
@@ -123,7 +132,7 @@ class RecomputeModel:
                 n = min(self.max_batch, tokens - start)
                 attn = n * (ctx + start + n / 2)
                 low, high = self._measured(n, attn)
-                total += max(low, min(float(a + b * n + c * attn), high))
+                total += max(low, min(a + b * n + c * attn, high))
         return total
 
     def _measured(self, tokens: float, attn: float) -> tuple[float, float]:
@@ -164,33 +173,74 @@ def _size_class(tokens: float, attn: float) -> tuple[int, int]:
     return int(tokens).bit_length(), int(attn).bit_length()
 
 
-def _fit(rows: np.ndarray, prior: np.ndarray, max_batch: int) -> np.ndarray:
+def _scale(prior: tuple[float, float, float], max_batch: int) -> tuple[float, float, float]:
+    """Each coefficient's unit in the fit: the prior's time for a full batch from an empty
+    context, spread on that term."""
+    n_ref = float(max_batch)
+    t_ref = prior[0] + prior[1] * n_ref + prior[2] * n_ref * n_ref / 2
+    return t_ref, t_ref / n_ref, t_ref / (n_ref * n_ref / 2)
+
+
+def _terms(row: tuple[float, float, float], scale: tuple[float, float, float]) -> tuple:
+    """A step's share of the fit's normal equations: the upper triangle of v v^T and v b,
+    v = (1, N, A) * scale / seconds, b = 1 (relative error)."""
+    n, a, y = row
+    w = 1.0 / max(y, 1e-6)
+    v0, v1, v2 = scale[0] * w, n * scale[1] * w, a * scale[2] * w
+    b = y * w
+    return v0 * v0, v0 * v1, v0 * v2, v1 * v1, v1 * v2, v2 * v2, v0 * b, v1 * b, v2 * b
+
+
+def _add(sums: list[float], terms: tuple, sign: float) -> None:
+    for i, t in enumerate(terms):
+        sums[i] += sign * t
+
+
+def _fit(sums: Sequence[float], prior: tuple[float, float, float],
+         scale: tuple[float, float, float]) -> tuple[float, float, float]:
     """Non-negative least squares of seconds on (1, N, A), relative error weighted (a slow
     1 ms step matters as much as a slow 1 s one), with a ridge toward `prior` so that what
     the steps cannot tell apart stays at the prior. Each term's ridge is in units of the
-    prior's time for a full batch from an empty context: moving one coefficient by that
-    much weighs like `PRIOR_STEPS` steps mispredicted by 100%."""
-    x = np.column_stack([np.ones(len(rows)), rows[:, 0], rows[:, 1]])
-    y = rows[:, 2]
-    w = 1.0 / np.maximum(y, 1e-6)
-    n_ref = float(max_batch)
-    t_ref = float(prior[0] + prior[1] * n_ref + prior[2] * n_ref * n_ref / 2)
-    scale = np.array([t_ref, t_ref / n_ref, t_ref / (n_ref * n_ref / 2)])
-    anchor = np.diag(math.sqrt(PRIOR_STEPS) / scale)
+    prior's time for a full batch from an empty context (`_scale`): moving one coefficient
+    by that much weighs like `PRIOR_STEPS` steps mispredicted by 100%.
+
+    Solved from the normal equations the model keeps up to date step by step (`_terms`), in
+    plain Python: three unknowns need no numpy, whose solvers release the GIL, and on the
+    engine's thread (kvtier's I/O thread and mover beside it) each release could cost up to
+    a switch interval before the thread had the GIL back."""
+    s00, s01, s02, s11, s12, s22, r0, r1, r2 = sums
+    m = [[s00 + PRIOR_STEPS, s01, s02], [s01, s11 + PRIOR_STEPS, s12],
+         [s02, s12, s22 + PRIOR_STEPS]]
+    r = [r0 + PRIOR_STEPS * prior[0] / scale[0], r1 + PRIOR_STEPS * prior[1] / scale[1],
+         r2 + PRIOR_STEPS * prior[2] / scale[2]]
     active = [0, 1, 2]
     for _ in range(3):  # drop a term that comes out negative and refit the others
-        coef = np.zeros(3)
-        lhs = np.vstack([x[:, active] * w[:, None], anchor[np.ix_(active, active)]])
-        rhs = np.concatenate([y * w, anchor[np.ix_(active, active)] @ prior[active]])
-        sol, *_ = np.linalg.lstsq(lhs, rhs, rcond=None)
-        coef[active] = sol
-        neg = [j for j in active if coef[j] < 0]
-        if not neg:
+        z = _solve([[m[i][j] for j in active] for i in active], [r[i] for i in active])
+        coef = [0.0] * 3
+        for i, zi in zip(active, z):
+            coef[i] = zi * scale[i]
+        if all(coef[j] >= 0 for j in active):
             break
-        active = [j for j in active if j not in neg]
+        active = [j for j in active if coef[j] >= 0]
     if coef[1] <= 0 and coef[2] <= 0:  # nothing learned of the per-token cost
         return prior
-    return coef
+    return coef[0], coef[1], coef[2]
+
+
+def _solve(m: list[list[float]], r: list[float]) -> list[float]:
+    """Solve the symmetric positive definite system `m x = r` (at most 3 x 3, the ridge
+    keeps it definite) by Gaussian elimination."""
+    k = len(r)
+    for c in range(k):
+        for i in range(c + 1, k):
+            f = m[i][c] / m[c][c]
+            for j in range(c, k):
+                m[i][j] -= f * m[c][j]
+            r[i] -= f * r[c]
+    x = [0.0] * k
+    for i in range(k - 1, -1, -1):
+        x[i] = (r[i] - sum(m[i][j] * x[j] for j in range(i + 1, k))) / m[i][i]
+    return x
 
 
 @dataclass(frozen=True)

@@ -171,3 +171,26 @@ def test_the_measured_bounds_are_the_medians_of_every_step_on_each_side():
         assert model._measured(tokens, attn) == by_definition(tokens, attn)
         bounded += by_definition(tokens, attn) != (0.0, math.inf)
     assert bounded >= len(probes) // 2  # the probes do meet measured classes
+
+
+def test_the_fit_kept_step_by_step_is_the_fit_of_the_last_window_of_steps():
+    """The model keeps its normal equations up to date as steps come and go from its window
+    (no refit reads the whole window on the scheduler's thread): after many windows, the
+    fit equals one made from the window's steps alone, and one from different steps differs."""
+    from kvtier.connector import recompute as rc
+    model = RecomputeModel()
+    engine_steps(model, 0.004, 2e-5, 1e-9, n=3 * rc.WINDOW + 37, seed=3)
+    rows = list(model._rows)
+    assert len(rows) == rc.WINDOW
+
+    def fit_of(steps):
+        sums = [0.0] * 9
+        for row in steps:
+            rc._add(sums, rc._terms(row, model._scale), 1.0)
+        return rc._fit(sums, model._prior, model._scale)
+
+    kept = rc._fit(model._sums, model._prior, model._scale)
+    assert kept == pytest.approx(fit_of(rows), rel=1e-9)
+    assert kept != pytest.approx(fit_of(rows[: rc.WINDOW // 2]), rel=1e-3)
+    assert model.predict(8192) == pytest.approx(0.004 + 2e-5 * 8192 + 1e-9 * 8192 * 4096,
+                                                rel=0.15)
