@@ -6,16 +6,19 @@ first agentic) and keeps a miniature simulation of each (`eviction.shadow`: a ha
 share of the sessions, the capacity scaled by the same share) fed with every lookup. Each
 shadow's hit bytes decay over `select_window` sampled lookups (an exponential window); the
 tier switches to the leader when its lead over the followed candidate is more than
-`select_margin` of the followed one's hits and more than twice the standard error of the mean
-lead per lookup (sampled sessions are few on a small node: noise must not switch), and the
-followed one has been followed for a quarter window (hysteresis).
+`select_margin` of the bytes looked up (points of hit rate: the same at a 20% hit rate as
+at 90%) and more than twice the standard error of the mean lead per lookup (sampled
+sessions are few on a small node: noise must not switch), and the followed one has been
+followed for a quarter window (hysteresis).
 
-A switch rebuilds the new candidate from the tier's keys, least recent first (the tier keeps
-their recency: an LRU switch is exact, s3fifo and arc start without their history, agentic
-reads the session tracker as it is now). The sampling share is `select_sample_rate`, raised
-so a shadow holds at least `select_min_blocks` blocks of the first size seen (a tiny
-shadow of a tiny tier would simulate nothing). Only agentic's demotions and prefetches run,
-and only while agentic is followed.
+A switch rebuilds the new candidate from the tier's keys, least recent first, each touched
+again as many times as it was read while in the tier (up to 3, s3fifo's cap): an LRU switch
+is exact, s3fifo and arc keep what they tell apart by reads (s3fifo's frequencies, arc's
+second list) though not their ghosts, agentic reads the session tracker as it is now. The
+sampling share is `select_sample_rate`, raised so a shadow holds at least
+`select_min_blocks` blocks of the first size seen (a tiny shadow of a tiny tier would
+simulate nothing). Only agentic's demotions and prefetches run, and only while agentic is
+followed.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from collections.abc import Collection
 from kvtier.eviction.base import NO_META, BlockMeta, EvictionPolicy, Key, PolicyContext
 from kvtier.eviction.shadow import ChainSampler, ShadowCache
 from kvtier.store.base.policies import EVICTION_KINDS
+
+_MAX_READS = 3  # reads a rebuilt candidate replays per key (s3fifo's frequency cap)
 
 
 class SelectingPolicy(EvictionPolicy):
@@ -41,6 +46,7 @@ class SelectingPolicy(EvictionPolicy):
         self.following = next(iter(self.configs))
         self.live = make(self.configs[self.following], ctx)
         self.keys: OrderedDict[Key, int] = OrderedDict()  # least recent first
+        self.reads: dict[Key, int] = {}  # reads of a key while in the tier, up to _MAX_READS
         self.sampler: ChainSampler | None = None
         self.shadows: dict[str, ShadowCache] = {}
         self.score = dict.fromkeys(self.configs, 0.0)   # decayed hit bytes
@@ -55,6 +61,8 @@ class SelectingPolicy(EvictionPolicy):
 
     # ---- the tier's own bookkeeping, passed to the followed candidate -----------------------
     def on_insert(self, key: Key, size: int, now: float, meta: BlockMeta = NO_META) -> None:
+        if key in self.keys:
+            self._read(key)
         self.keys[key] = size
         self.keys.move_to_end(key)
         self.live.on_insert(key, size, now, meta)
@@ -63,10 +71,15 @@ class SelectingPolicy(EvictionPolicy):
     def on_access(self, key: Key, now: float, meta: BlockMeta = NO_META) -> None:
         if key in self.keys:
             self.keys.move_to_end(key)
+            self._read(key)
             self.live.on_access(key, now, meta)
+
+    def _read(self, key: Key) -> None:
+        self.reads[key] = min(self.reads.get(key, 0) + 1, _MAX_READS)
 
     def on_remove(self, key: Key) -> None:
         if self.keys.pop(key, None) is not None:
+            self.reads.pop(key, None)
             self.live.on_remove(key)
             self.used_bytes = self.live.used_bytes
 
@@ -120,10 +133,11 @@ class SelectingPolicy(EvictionPolicy):
         self._maybe_switch(now, meta_of)
 
     def _significant(self, name: str) -> bool:
-        """Does `name` lead the followed candidate by the margin, and by more than twice the
-        standard error of its mean lead per lookup (so sampling noise does not switch)?"""
+        """Does `name` lead the followed candidate by the margin (a share of the bytes looked
+        up), and by more than twice the standard error of its mean lead per lookup (so
+        sampling noise does not switch)?"""
         n, s1, s2 = self.lead[name]
-        if n < 2 or s1 <= self.config.select_margin * self.score[self.following]:
+        if n < 2 or s1 <= self.config.select_margin * self.looked:
             return False
         mean = s1 / n
         var = max(s2 / n - mean * mean, 0.0)
@@ -136,7 +150,10 @@ class SelectingPolicy(EvictionPolicy):
             return
         live = self._make(self.configs[best], self.ctx)
         for key, size in self.keys.items():
-            live.on_insert(key, size, now, meta_of(key))
+            meta = meta_of(key)
+            live.on_insert(key, size, now, meta)
+            for _ in range(self.reads.get(key, 0)):
+                live.on_access(key, now, meta)
         self.live, self.following = live, best
         self.since, self.switches = self.sampled, self.switches + 1
         self.lead = {name: [0.0, 0.0, 0.0] for name in self.configs}

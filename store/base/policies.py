@@ -78,7 +78,8 @@ class AgenticConfig(BaseModel):
     select_sample_rate: float = Field(default=1 / 16, gt=0, le=1)  # of sessions, by hash
     select_min_blocks: int = Field(default=512, ge=1)   # a shadow holds at least this many
     select_window: int = Field(default=512, ge=8)       # sampled lookups the scores decay over
-    select_margin: float = Field(default=0.02, ge=0)    # a leader must beat the current by this
+    # a leader must beat the current by this share of the bytes looked up (0.005: half a point)
+    select_margin: float = Field(default=0.005, ge=0, le=1)
 
     @field_validator("select_candidates")
     @classmethod

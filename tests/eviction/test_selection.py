@@ -152,3 +152,27 @@ def test_switching_follows_a_workload_change_within_a_bounded_window():
     assert followed[-1] == "s3fifo" and sel["switches"] == 2
     assert len(pol) == len(pol.live) and pol.used_bytes == pol.live.used_bytes <= capacity
     assert 0 < sel["shadow_entries"] <= 2 * len(pol) + 8
+
+
+def test_a_switch_keeps_what_reads_told_apart():
+    """The candidate switched to is rebuilt from the tier's keys with the reads each had in
+    the tier: s3fifo then evicts the keys never read before older ones that were read (as
+    it would have had it run all along), where a rebuild by recency alone evicts the oldest."""
+    cfg = AgenticConfig(kind="agentic", select=True, select_candidates=("lru", "s3fifo"),
+                        select_sample_rate=1.0, select_window=8)
+    tr = SessionTracker()
+    pol = make_policy(cfg, PolicyContext(10 * BLOCK, "t", tr))
+    read, unread = [f"r{i}" for i in range(5)], [f"u{i}" for i in range(5)]
+    for k in read:
+        pol.on_insert(k, BLOCK, 0.0)
+    for k in read:
+        pol.on_access(k, 1.0)
+    for k in unread:
+        pol.on_insert(k, BLOCK, 2.0)
+    assert pol.following == "lru" and pol.select_victims(BLOCK, 3.0) == ["r0"]
+    # s3fifo's shadow leads, by far and steadily (100 sampled lookups, half a block each)
+    pol.sampled, pol.looked, pol.score["s3fifo"] = 100, 100.0 * BLOCK, 60.0 * BLOCK
+    pol.lead["s3fifo"] = [100.0, 50.0 * BLOCK, 26.0 * BLOCK * BLOCK]
+    pol._maybe_switch(3.0, tr.meta)
+    assert pol.following == "s3fifo" and pol.switches == 1
+    assert pol.select_victims(4 * BLOCK, 4.0) == unread[:4]  # the newest stays on probation
