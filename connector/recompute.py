@@ -51,7 +51,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-
 log = logging.getLogger(__name__)
 WINDOW = 256          # steps the fit looks at
 REFIT_EVERY = 16      # steps between fits, once the window is an eighth full (every step before)

@@ -121,14 +121,15 @@ class SelectingPolicy(EvictionPolicy):
         if not self.sampler.keeps(keys, meta_of):
             return
         d = self._decay
-        hits = {name: sh.lookup(keys, now, meta_of, size_of) for name, sh in self.shadows.items()}
+        metas, sizes = [meta_of(k) for k in keys], [size_of(k) for k in keys]
+        hits = {name: sh.lookup(keys, now, metas, sizes) for name, sh in self.shadows.items()}
         base = hits[self.following]
         for name, hit in hits.items():
             self.score[name] = self.score[name] * d + hit
             lead = self.lead[name]
             x = hit - base
             lead[0], lead[1], lead[2] = lead[0] * d + 1, lead[1] * d + x, lead[2] * d + x * x
-        self.looked = self.looked * d + sum(size_of(k) for k in keys)
+        self.looked = self.looked * d + sum(sizes)
         self.sampled += 1
         self._maybe_switch(now, meta_of)
 

@@ -56,18 +56,18 @@ class ShadowCache:
         self.hit_bytes = 0      # over its whole life
         self.lookup_bytes = 0
 
-    def lookup(self, keys: Sequence[Hashable], now: float, meta_of: Callable,
-               size_of: Callable) -> int:
-        """Simulate one request; return the bytes of its prefix this shadow held."""
+    def lookup(self, keys: Sequence[Hashable], now: float, metas: Sequence,
+               sizes: Sequence[int]) -> int:
+        """Simulate one request (each key's `BlockMeta` and size given, as every shadow of
+        a tier sees the same request); return the bytes of its prefix this shadow held."""
         pol = self.policy
         h = 0
         while h < len(keys) and keys[h] in pol:
             h += 1
-        sizes = [size_of(k) for k in keys]
         for j in range(h - 1, -1, -1):
-            pol.on_access(keys[j], now, meta_of(keys[j]))
+            pol.on_access(keys[j], now, metas[j])
         for j in range(len(keys) - 1, h - 1, -1):
-            pol.on_insert(keys[j], sizes[j], now, meta_of(keys[j]))
+            pol.on_insert(keys[j], sizes[j], now, metas[j])
         if pol.used_bytes > self.capacity_bytes:
             for v in pol.select_victims(pol.used_bytes - self.capacity_bytes, now):
                 pol.on_remove(v)

@@ -244,7 +244,7 @@ class Placement:
 
     def refresh_rows(self) -> int:
         """Rewrite the stored rows of the sessions whose blocks entered or left a tier since
-        the last call; returns how many. A turn's end writes its row at once, but that
+        the last call; returns how many. A turn's end queues its row at once, but that
         turn's saves, and every later demotion or eviction, land after it: without this,
         `inspect sessions` would show the blocks per tier as they were at the turn's end.
         Mover thread only (as `reap`, so a row is never rewritten after its session ended).

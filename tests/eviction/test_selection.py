@@ -16,6 +16,11 @@ def _size(_key) -> int:
     return BLOCK
 
 
+def _request(tr, keys):
+    """What a shadow is given of a request: each key's meta and size."""
+    return [tr.meta(k) for k in keys], [_size(k) for k in keys]
+
+
 def _lru(ctx):
     return make_policy(LRUConfig(kind="lru"), ctx)
 
@@ -34,7 +39,7 @@ def test_the_sampler_keeps_whole_prefixes_of_whole_sessions():
             keep = sampler.keeps(keys, tr.meta)
             assert kept.setdefault(s, keep) == keep, "a session's turns are sampled alike"
             if keep:
-                shadow.lookup(keys, turn * 10.0, tr.meta, _size)
+                shadow.lookup(keys, turn * 10.0, *_request(tr, keys))
                 assert all(k in shadow.policy for k in keys), "the whole chain is simulated"
             tr.end_turn(sid, turn * 10.0 + s * 0.01 + 0.005, "tool")
     share = sum(kept.values()) / len(kept)
@@ -69,9 +74,9 @@ def test_a_sampled_shadow_hits_what_the_full_cache_hits():
     mini = ShadowCache("lru", _lru, capacity * rate, ctx)
     for keys, t in _hot_and_scan(rounds, hot, cold, seed=1):
         tr.observe(keys, t)
-        full.lookup(keys, t, tr.meta, _size)
+        full.lookup(keys, t, *_request(tr, keys))
         if sampler.keeps(keys, tr.meta):
-            mini.lookup(keys, t, tr.meta, _size)
+            mini.lookup(keys, t, *_request(tr, keys))
     full_pct = 100.0 * full.hit_bytes / full.lookup_bytes
     mini_pct = 100.0 * mini.hit_bytes / mini.lookup_bytes
     assert abs(full_pct - known) < 1e-9
