@@ -45,7 +45,8 @@ class BoundedCalls:
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)`'s result (or its exception); `Unanswered` past the timeout, or at
         once while an earlier call that passed it still runs."""
-        self._skip_while_unanswered()
+        if self.hung():
+            raise Unanswered(waited=False)
         try:
             call = self._pool.submit(fn, *args)
         except RuntimeError:  # shut down: its owner was closed
@@ -68,10 +69,6 @@ class BoundedCalls:
                 self._unanswered = None
                 return False
             return True
-
-    def _skip_while_unanswered(self) -> None:
-        if self.hung():
-            raise Unanswered(waited=False)
 
     def close(self) -> None:
         """Take no more calls; one still hanging ends on its own thread."""

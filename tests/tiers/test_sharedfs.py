@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_until
 from kvtier.store.base import block
 from kvtier.store.base.errors import TierError
 from kvtier.tiers import MISS
@@ -253,9 +254,7 @@ def test_a_hung_mount_costs_a_lookup_its_timeout_once_then_is_skipped_until_it_a
         assert len(stats) == 1  # no stat while the first one hangs
         monkeypatch.setattr(files, "is_file", real)
         release.set()
-        deadline = time.monotonic() + 10
-        while t._lookups.hung() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: not t._lookups.hung(), 10, "the hung stat returned")
         assert t.contains(keys) == [True] * 3
     finally:
         close(t)
