@@ -93,3 +93,15 @@ def test_retime_scales_arrivals_and_keeps_the_requests():
     assert np.array_equal(w.blocks, base.blocks) and np.array_equal(w.service_s, base.service_s)
     assert "time x0.1" in w.name
     assert forks(0, parents=2, turns=3).name != rag(0, sessions=5, agents=1).name
+
+
+@pytest.mark.parametrize("name", list(GENERATORS))
+def test_a_larger_population_has_that_many_times_the_sessions_over_the_same_time(name, made):
+    assert _same(GENERATORS[name](0, population=1), made[name])
+    one, four = made[name], GENERATORS[name](0, population=4)
+    ratio = len(set(four.session.tolist())) / len(set(one.session.tolist()))
+    assert 3.0 <= ratio <= 5.0, ratio
+    assert 3.0 <= len(four) / len(one) <= 5.0
+    # the same time span (within the spread of the sessions' own lengths)
+    assert four.arrival_s[-1] <= 2.0 * one.arrival_s[-1]
+    assert np.all(np.diff(four.arrival_s) >= 0)

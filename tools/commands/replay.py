@@ -126,6 +126,10 @@ def replay(
     time_scale: float = typer.Option(1.0, "--time-scale", min=1e-3, max=1e3,
                                      help="simulate: multiply arrival times (0.1 compresses "
                                      "a trace 10x, 10 stretches it)"),
+    population: int = typer.Option(1, "--population", min=1, max=1000,
+                                   help="simulate: the generated workloads (forks, chat, "
+                                   "rag) with this many times the sessions over the same "
+                                   "time: a bigger node"),
     gap_info: bool = typer.Option(False, "--gap-info", help="simulate: add how much of "
                                   "each workload's gaps what a server knows at a turn's "
                                   "end explains, as the --gap-oracle sigma it equals"),
@@ -222,6 +226,7 @@ def replay(
         weka_live=weka_live, seed=seed, jobs=jobs, online_bound=online_bound,
         gap_oracle=_floats(gap_oracle, "--gap-oracle", zero_ok=True) if gap_oracle else (),
         gap_classes=_gap_classes(gap_classes), gap_info=gap_info, time_scale=time_scale,
+        population=population,
         sim=SimParams(bytes_per_token=bytes_per_token, prefill_tokens_per_s=prefill_tps))
     console = Console(width=max(Console().width, 130))  # tables stay readable in logs
     with Progress("[progress.description]{task.description}", BarColumn(),

@@ -72,6 +72,7 @@ class RunSpec:
     gap_classes: str = "trace"   # what the replay tells of each wait (`traces.GAP_CLASS_MODES`)
     gap_info: bool = False       # how much of the gaps' spread a server's features explain
     time_scale: float = 1.0      # arrival times multiplied by this (0.1: 10x compressed)
+    population: int = 1          # generated workloads: this many times the sessions
 
 
 def load(name: str, spec: RunSpec) -> Compiled:
@@ -80,7 +81,8 @@ def load(name: str, spec: RunSpec) -> Compiled:
     if name == "synthetic":
         return compile_workload(retime(synthetic(spec.synthetic), spec.time_scale), 16)
     if name in GENERATORS:
-        return compile_workload(retime(GENERATORS[name](spec.seed), spec.time_scale), 16)
+        return compile_workload(retime(GENERATORS[name](spec.seed, population=spec.population),
+                                        spec.time_scale), 16)
     path = spec.traces / ("weka_cc_traces" if name == "weka" else "conversation_trace.jsonl")
     key = _cache_key(name, path, spec)
     cached = kvtier_home() / "replay-cache" / f"{name}-{key}.npz"

@@ -10,6 +10,9 @@ on (a policy that only does well where it was tuned is no production policy):
   starts a Poisson process.
 - `rag`: many short sessions that each put 1-3 of a few large documents (Zipf popularity)
   after a shared system prompt, then a question; beside them a few long agent sessions.
+Each takes a `population`: that many times the sessions (and agents) over the same time, as
+on a node serving more users (1: the workloads as fixed; the larger node a miniature
+simulation samples from).
 `retime(work, factor)` multiplies a workload's arrival times (the time-scale option: 0.1
 compresses 10x, 10 stretches); service times stay, as an engine does not get faster.
 
@@ -63,9 +66,10 @@ def _blocks(tokens: int) -> int:
     return max(1, tokens // BLOCK_TOKENS)
 
 
-def forks(seed: int = 0, parents: int = 24, turns: int = 16) -> Workload:
+def forks(seed: int = 0, parents: int = 24, turns: int = 16, population: int = 1) -> Workload:
     """Parent agents that fork sub-agents from their prefix (see the module docstring)."""
     rng = np.random.default_rng(seed)
+    parents *= population
     ch, rows, chains = _Chains(), [], []
     system = [("sys", i) for i in range(_blocks(12_000))]
     sid = 0
@@ -95,9 +99,11 @@ def forks(seed: int = 0, parents: int = 24, turns: int = 16) -> Workload:
     return build(f"forks(seed {seed}, {parents} parents)", BLOCK_TOKENS, rows, chains)
 
 
-def chat(seed: int = 0, sessions: int = 600, rate_per_s: float = 0.2) -> Workload:
+def chat(seed: int = 0, sessions: int = 600, rate_per_s: float = 0.2,
+         population: int = 1) -> Workload:
     """Human chat sessions, no agent loop (see the module docstring)."""
     rng = np.random.default_rng(seed)
+    sessions, rate_per_s = sessions * population, rate_per_s * population
     ch, rows, chains = _Chains(), [], []
     system = [("sys", i) for i in range(_blocks(1_024))]
     start = np.cumsum(rng.exponential(1.0 / rate_per_s, sessions))
@@ -115,9 +121,11 @@ def chat(seed: int = 0, sessions: int = 600, rate_per_s: float = 0.2) -> Workloa
 
 
 def rag(seed: int = 0, sessions: int = 1500, documents: int = 60, agents: int = 4,
-        duration_s: float = 3600.0) -> Workload:
-    """Short sessions over shared documents, beside a few long agents (module docstring)."""
+        duration_s: float = 3600.0, population: int = 1) -> Workload:
+    """Short sessions over shared documents, beside a few long agents (module docstring);
+    a larger `population` shares the same documents."""
     rng = np.random.default_rng(seed)
+    sessions, agents = sessions * population, agents * population
     ch, rows, chains = _Chains(), [], []
     system = [("sys", i) for i in range(_blocks(1_024))]
     doc_blocks = rng.integers(_blocks(8_000), _blocks(32_000), documents)
