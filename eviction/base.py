@@ -111,6 +111,9 @@ class PolicyContext:
     sessions: SessionView | None = None   # agentic: live sessions and their predictions
     future: NextUse | None = None         # belady only (replay)
     restore_bytes_per_s: float = 2e9      # bandwidth from this tier to the one above
+    # bytes of one block, where the caller knows it (a replay whose keys are runs of blocks);
+    # None: the size of the first key seen (a tier's keys are single blocks)
+    block_bytes: int | None = None
 
 
 class EvictionPolicy(ABC):

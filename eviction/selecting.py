@@ -15,10 +15,12 @@ A switch rebuilds the new candidate from the tier's keys, least recent first, ea
 again as many times as it was read while in the tier (up to 3, s3fifo's cap): an LRU switch
 is exact, s3fifo and arc keep what they tell apart by reads (s3fifo's frequencies, arc's
 second list) though not their ghosts, agentic reads the session tracker as it is now. The
-sampling share is `select_sample_rate`, raised so a shadow holds at least
-`select_min_blocks` blocks of the first size seen (a tiny shadow of a tiny tier would
-simulate nothing). Only agentic's demotions and prefetches run, and only while agentic is
-followed.
+sampling share is what makes a shadow hold `select_shadow_blocks` blocks (of
+`PolicyContext.block_bytes`, else of the first key's size: a tier's keys are blocks), as in
+SHARDS' fixed-size mode: a miniature simulation's accuracy depends on how much it holds,
+not on the share, so a larger tier samples a smaller share and the shadows' state and work
+stay bounded (`select_sample_rate` is an optional floor on the share). Only agentic's
+demotions and prefetches run, and only while agentic is followed.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ class SelectingPolicy(EvictionPolicy):
     # ---- the miniature simulations ----------------------------------------------------------
     def _start(self, block_bytes: int) -> None:
         cfg, cap = self.config, max(1, self.capacity_bytes)
-        rate = min(1.0, max(cfg.select_sample_rate, cfg.select_min_blocks * block_bytes / cap))
+        rate = min(1.0, max(cfg.select_sample_rate, cfg.select_shadow_blocks * block_bytes / cap))
         self.sampler = ChainSampler(rate)
         for name, c in self.configs.items():
             self.shadows[name] = ShadowCache(name, lambda ctx, c=c: self._make(c, ctx),
@@ -117,7 +119,7 @@ class SelectingPolicy(EvictionPolicy):
         if not keys:
             return
         if self.sampler is None:
-            self._start(size_of(keys[0]))
+            self._start(self.ctx.block_bytes or size_of(keys[0]))
         if not self.sampler.keeps(keys, meta_of):
             return
         d = self._decay

@@ -52,7 +52,8 @@ class ShadowCache:
         self.name = name
         self.capacity_bytes = max(1, int(capacity_bytes))
         self.policy = make(PolicyContext(self.capacity_bytes, f"{ctx.tier}~{name}",
-                                         ctx.sessions, ctx.future, ctx.restore_bytes_per_s))
+                                         ctx.sessions, ctx.future, ctx.restore_bytes_per_s,
+                                         ctx.block_bytes))
         self.hit_bytes = 0      # over its whole life
         self.lookup_bytes = 0
 

@@ -75,8 +75,10 @@ class AgenticConfig(BaseModel):
     next_use_quantile: float = Field(default=0.5, gt=0, lt=1)
     select: bool = False   # follow the candidate whose miniature simulation hits the most
     select_candidates: tuple[str, ...] = ("agentic", "lru", "s3fifo", "arc")
-    select_sample_rate: float = Field(default=1 / 16, gt=0, le=1)  # of sessions, by hash
-    select_min_blocks: int = Field(default=512, ge=1)   # a shadow holds at least this many
+    # each shadow holds about this many blocks: the share of sessions simulated is this over
+    # the tier's capacity (at most 1), so shadow state and work stay the same on any tier size
+    select_shadow_blocks: int = Field(default=8192, ge=1)
+    select_sample_rate: float = Field(default=0.0, ge=0, le=1)  # a floor on that share
     select_window: int = Field(default=512, ge=8)       # sampled lookups the scores decay over
     # a leader must beat the current by this share of the bytes looked up (0.005: half a point)
     select_margin: float = Field(default=0.005, ge=0, le=1)

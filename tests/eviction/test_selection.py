@@ -181,3 +181,48 @@ def test_a_switch_keeps_what_reads_told_apart():
     pol._maybe_switch(3.0, tr.meta)
     assert pol.following == "s3fifo" and pol.switches == 1
     assert pol.select_victims(4 * BLOCK, 4.0) == unread[:4]  # the newest stays on probation
+
+
+def test_shadows_hold_about_the_same_blocks_on_a_tier_ten_times_larger():
+    """The share of sessions simulated is `select_shadow_blocks` over the tier's capacity:
+    a tier ten times larger samples a tenth of the share, and its shadows' state stays
+    bounded by the candidates times those blocks."""
+    held = {}
+    for chains in (2_000, 20_000):
+        capacity = chains * 4 * BLOCK  # holds every chain: shadows fill up to their capacity
+        tr = SessionTracker()
+        cfg = AgenticConfig(kind="agentic", select=True, select_candidates=("lru", "s3fifo"),
+                            select_shadow_blocks=400)
+        pol = make_policy(cfg, PolicyContext(capacity, "t", tr))
+        reqs = ((([f"s{s}/{p}" for p in range(4)]), 0.001 * s) for s in range(chains))
+        _drive(pol, tr, reqs, capacity)
+        sel = pol.selection()
+        assert abs(sel["sample_rate"] - 400 / (chains * 4)) < 1e-12
+        held[chains] = sel["shadow_entries"]
+    assert held[2_000] <= 2 * 400 * 1.5 and held[20_000] <= 2 * 400 * 1.5, held
+    assert 0.5 < held[20_000] / held[2_000] < 2.0, held
+
+
+def test_the_sample_rate_is_a_floor_on_the_share():
+    tr = SessionTracker()
+    cfg = AgenticConfig(kind="agentic", select=True, select_candidates=("lru", "s3fifo"),
+                        select_shadow_blocks=10, select_sample_rate=0.5)
+    pol = make_policy(cfg, PolicyContext(10_000 * BLOCK, "t", tr))
+    _drive(pol, tr, [([f"a/{p}" for p in range(4)], 0.0)], 10_000 * BLOCK)
+    assert pol.selection()["sample_rate"] == 0.5
+
+
+def test_shadows_are_sized_in_the_blocks_the_context_names():
+    """A replay's keys are runs of blocks: the share counts blocks of `block_bytes`, not
+    keys of the first key's size."""
+    rates = []
+    for block_bytes in (None, BLOCK):
+        tr = SessionTracker()
+        cfg = AgenticConfig(kind="agentic", select=True, select_candidates=("lru", "s3fifo"),
+                            select_shadow_blocks=100)
+        pol = make_policy(cfg, PolicyContext(100_000 * BLOCK, "t", tr, block_bytes=block_bytes))
+        keys = [f"a/{p}" for p in range(3)]
+        tr.observe(keys, 0.0)
+        pol.on_lookup(keys, 0.0, tr.meta, lambda _k: 16 * BLOCK)  # each key: 16 blocks
+        rates.append(pol.selection()["sample_rate"])
+    assert rates == [100 * 16 / 100_000, 100 / 100_000]

@@ -77,7 +77,10 @@ class Replay:
         self.future = OracleFuture(c)
         cap = int(min(capacity_bytes, 2**62))
         self.capacity = cap
-        self.policy = make_policy(cfg, PolicyContext(cap, "sim", self.tracker, self.future))
+        # the replay's keys are runs of blocks: selection sizes its shadows in blocks
+        self.block_bytes = w.block_tokens * p.bytes_per_token
+        self.policy = make_policy(cfg, PolicyContext(cap, "sim", self.tracker, self.future,
+                                                     block_bytes=self.block_bytes))
         self.size = (c.seg_blocks * (w.block_tokens * p.bytes_per_token)).tolist()
         self.seg, self.off = c.seg.tolist(), c.seg_off.tolist()
         self.cum, self.nxt = c.cum_blocks.tolist(), c.next_req.tolist()

@@ -41,7 +41,8 @@ class TieredReplay(Replay):
                       for n, k, cap in zip(("dram", "nvme", "sharedfs"), kinds, capacities)]
         self.policies = [self.policy] + [
             make_policy(policy_config(policy), PolicyContext(
-                t.capacity_bytes, t.name, self.tracker, self.future, t.restore_bps))
+                t.capacity_bytes, t.name, self.tracker, self.future, t.restore_bps,
+                self.block_bytes))
             for t in self.tiers[1:]]
         self.tier_used = [0, 0, 0]
         self.where = bytearray([_NONE]) * c.n_segments
