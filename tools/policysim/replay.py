@@ -81,7 +81,7 @@ class Replay:
         self.block_bytes = w.block_tokens * p.bytes_per_token
         self.policy = make_policy(cfg, PolicyContext(cap, "sim", self.tracker, self.future,
                                                      block_bytes=self.block_bytes))
-        self.size = (c.seg_blocks * (w.block_tokens * p.bytes_per_token)).tolist()
+        self.size = (c.seg_blocks * self.block_bytes).tolist()
         self.seg, self.off = c.seg.tolist(), c.seg_off.tolist()
         self.cum, self.nxt = c.cum_blocks.tolist(), c.next_req.tolist()
         self.cached = bytearray(c.n_segments)
