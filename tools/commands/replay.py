@@ -191,6 +191,9 @@ def replay(
         return
     if engine is not None and simulate:
         raise ReplayError("--engine and --simulate are two modes; give one")
+    if population != 1 and (engine is not None or not set(workload) & set(GENERATED)):
+        raise ReplayError(f"--population applies to the generated workloads of --simulate "
+                          f"({', '.join(GENERATED)}); add -w forks (or chat, rag) or drop it")
     if soak is not None:
         _soak(engine, soak, fault_every, faults, json_out, ha, lambda: ce.EngineSpec(
             engine="sim", workload=_one_workload(workload),
