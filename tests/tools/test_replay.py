@@ -181,7 +181,7 @@ def test_cli_simulates_a_generated_workload_retimed_with_selection(tmp_path):
     (["replay", "--simulate", "--gap-classes", "stops"], "--gap-classes: expected one of"),
     (["replay", "--simulate", "--population", "4"], "--population applies to the generated"),
     (["replay", "--simulate", "-w", "weka", "--population", "4"], "add -w forks"),
-    (["replay", "--engine", "sim", "--population", "4"], "--population applies"),
+    (["replay", "--engine", "sim", "--population", "4"], "--population is a --simulate option"),
 ])
 def test_cli_errors_are_one_clear_line(args, msg):
     from kvtier.store.base.errors import KVTierError

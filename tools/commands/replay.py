@@ -191,8 +191,11 @@ def replay(
         return
     if engine is not None and simulate:
         raise ReplayError("--engine and --simulate are two modes; give one")
-    if population != 1 and (engine is not None or not set(workload) & set(GENERATED)):
-        raise ReplayError(f"--population applies to the generated workloads of --simulate "
+    if population != 1 and engine is not None:
+        raise ReplayError("--population is a --simulate option (it grows the generated "
+                          "workloads); drop it with --engine")
+    if population != 1 and not set(workload) & set(GENERATED):
+        raise ReplayError(f"--population applies to the generated workloads "
                           f"({', '.join(GENERATED)}); add -w forks (or chat, rag) or drop it")
     if soak is not None:
         _soak(engine, soak, fault_every, faults, json_out, ha, lambda: ce.EngineSpec(
