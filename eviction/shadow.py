@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import replace
 
 from kvtier.eviction.base import EvictionPolicy, PolicyContext
 
@@ -51,9 +52,8 @@ class ShadowCache:
                  capacity_bytes: int, ctx: PolicyContext):
         self.name = name
         self.capacity_bytes = max(1, int(capacity_bytes))
-        self.policy = make(PolicyContext(self.capacity_bytes, f"{ctx.tier}~{name}",
-                                         ctx.sessions, ctx.future, ctx.restore_bytes_per_s,
-                                         ctx.block_bytes))
+        self.policy = make(replace(ctx, capacity_bytes=self.capacity_bytes,
+                                   tier=f"{ctx.tier}~{name}"))
         self.hit_bytes = 0      # over its whole life
         self.lookup_bytes = 0
 
