@@ -1,9 +1,10 @@
 """Verification of many frames at once, on every core: what a read of a batch of blocks costs.
 
 Every frame read is verified (`block.verified_len`), and its xxh3-64 is the one per-byte cost
-kvtier adds to a transfer. xxh3 runs at 8-9 GB/s on one core here, and the binding releases
-the GIL while it hashes a large buffer, so frames of `PARALLEL_MIN_BYTES` and more are
-verified on a pool of threads (one per core, at most `MAX_THREADS`): a batch of 2 MiB frames
+kvtier adds to a transfer. xxh3 runs at 9-35 GB/s on one core on the hosts measured
+(`kvtier bench tiers --tiers verify`), and the binding releases the GIL while it hashes a
+large buffer, so frames of `PARALLEL_MIN_BYTES` and more are verified on a pool of threads
+(one per core, at most `MAX_THREADS`): a batch of 2 MiB frames
 checks 1.9x faster on two cores, and on a 16-core host the checksum stops bounding a hit.
 Smaller frames are checked in the calling thread: for 256 KiB and less the binding keeps
 the GIL, and threads only fight over it (measured: 0.5x at 256 KiB, 0.13x at 32 KiB).

@@ -80,3 +80,30 @@ def test_targets_judge_nvme_at_2mib_and_uring_against_psync():
     got = {t["target"]: t["met"] for t in check_targets(rows)}
     assert got == {"nvme[uring] put >= 80% of fio": True,
                    "nvme[uring] put beats psync at queue depth > 1": True}
+
+
+# Known answers: a candidate that hashed nothing would rate as fast as it likes.
+KNOWN = {"xxh3-64": (b"", 0x2D06800538D394C2), "crc32 (zlib)": (b"123456789", 0xCBF43926),
+         "crc32c": (b"123456789", 0xE3069283),
+         "blake3": (b"", bytes.fromhex("af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7"
+                                       "cc9a93cae41f3262"))}
+
+
+def test_hash_candidates_hash_right_and_are_rated_or_named():
+    from kvtier.tools.bench.checksum import hash_candidates, hash_rows
+
+    cands, missing = hash_candidates()
+    for name, (fn, _) in cands.items():
+        data, want = KNOWN[name.split(" hash")[0]]
+        assert fn(memoryview(data)) == want, name
+    rows, skipped = hash_rows([64 * KiB], 1 * MiB, rounds=2)
+    assert skipped == missing
+    assert {r.target for r in rows} == set(cands)
+    assert {"xxh3-64 hash", "crc32 (zlib) hash"} <= {r.target for r in rows}
+    for row in rows:
+        assert row.kind == "reference" and row.op == "hash" and row.batch == 16
+        assert row.gbps > 0 and row.extra["per_core_gbps"] > 0
+    for module in ("crc32c", "blake3"):  # each optional candidate: rated, or named as skipped
+        rated = any(r.target.startswith(module) for r in rows)
+        named = any(line.startswith(f"{module}:") for line in skipped)
+        assert rated != named, module

@@ -6,11 +6,21 @@ read costs a core), and by `verify_pool.verified_lens` (frames of 1 MiB and more
 every core). GB/s is payload per second of the median round; `per_core_gbps` in extra is
 payload per second of the calling thread's CPU time in the one-thread rows, the per-core
 speed of the hash whatever else the machine runs.
+
+`hash_rows` rates the hashes a frame's checksum could be, on the same frames, so the choice
+of xxh3-64 stays a measurement: the hash alone, one thread (CRC32C where the `crc32c`
+package is installed, BLAKE3 where `blake3` is, zlib's CRC-32), and BLAKE3's own
+multi-threaded mode, the one candidate that can split a single frame over cores
+(`per_core_gbps` over the process's CPU time there). None of them is a dependency of kvtier:
+a candidate not installed is skipped and named.
 """
 
 from __future__ import annotations
 
+import importlib
 import time
+import zlib
+from typing import Callable
 
 from kvtier.store.base import block
 from kvtier.store.base import verify_pool
@@ -18,6 +28,60 @@ from kvtier.store.base.keys import NS_HEX
 from kvtier.tools.bench.report import Row, row_from_times
 
 BATCH = 64
+Hash = Callable[[memoryview], object]
+
+
+def _optional(module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
+def hash_candidates() -> tuple[dict[str, tuple[Hash, bool]], list[str]]:
+    """{name: (hash of a payload, whether it runs on several threads)} of the candidates
+    installed here, and a line for each one that is not."""
+    got: dict[str, tuple[Hash, bool]] = {"xxh3-64 hash": (block.payload_checksum, False),
+                                         "crc32 (zlib) hash": (zlib.crc32, False)}
+    missing = []
+    crc32c = _optional("crc32c")
+    if crc32c is not None:
+        got["crc32c hash"] = (crc32c.crc32c, False)
+    else:
+        missing.append("crc32c: not installed (pip install crc32c to rate it)")
+    blake3 = _optional("blake3")
+    if blake3 is not None:
+        got["blake3 hash"] = (lambda b: blake3.blake3(b).digest(), False)
+        got["blake3 hash, threads per frame"] = (
+            lambda b: blake3.blake3(b, max_threads=blake3.blake3.AUTO).digest(), True)
+    else:
+        missing.append("blake3: not installed (pip install blake3 to rate it)")
+    return got, missing
+
+
+def hash_rows(sizes, max_batch_bytes: int, rounds: int = 5) -> tuple[list[Row], list[str]]:
+    """One row per installed candidate and block size: the batch's payloads hashed one
+    after another; and the lines naming the candidates skipped."""
+    cands, missing = hash_candidates()
+    out = []
+    for size in sizes:
+        n = max(1, min(BATCH, max_batch_bytes // size))
+        buf = block.alloc_aligned(n * size)
+        buf[:] = bytes(range(256)) * (n * size // 256) + bytes(n * size % 256)
+        payloads = [buf[i * size:(i + 1) * size] for i in range(n)]
+        for name, (fn, threaded) in cands.items():
+            clock = time.process_time if threaded else time.thread_time
+            times, cpu = [], 0.0
+            for _ in range(rounds):
+                t0, c0 = time.perf_counter(), clock()
+                for p in payloads:
+                    fn(p)
+                times.append(time.perf_counter() - t0)
+                cpu += clock() - c0
+            row = row_from_times(name, "reference", "hash", size, n, times)
+            row.extra["per_core_gbps"] = round(size * n * rounds / max(cpu, 1e-9) / 1e9, 2)
+            out.append(row)
+    return out, missing
 
 
 def checksum_rows(sizes, max_batch_bytes: int, rounds: int = 5) -> list[Row]:

@@ -34,7 +34,7 @@ from kvtier.tiers.mooncake.master import EmbeddedMaster, ensure_master, free_por
 from kvtier.tiers.registry import open_tier
 from kvtier.tools.bench import fio as bench_fio
 from kvtier.tools.bench import report as bench_report
-from kvtier.tools.bench.checksum import checksum_rows
+from kvtier.tools.bench.checksum import checksum_rows, hash_rows
 from kvtier.tools.bench.report import Row, row_from_times
 from kvtier.tools.bench.targets import SLOT_ALIGN, RawTarget, TierTarget, Workload
 
@@ -217,6 +217,10 @@ def run_bench(spec: BenchSpec, policy_path: Path | None = None, root: Path | Non
                     got += fio_rows(fio_dir, rows, spec, console, fio_done)
             if only is None or "verify" in only:
                 got += checksum_rows(spec.sizes, spec.max_batch_bytes)
+                hashes, skipped = hash_rows(spec.sizes, spec.max_batch_bytes)
+                got += hashes
+                for line in skipped if not runs else ():
+                    console.log(f"[yellow]hash candidate skipped: {line}[/]")
             runs.append(got)
     finally:
         for thing in reversed(opened):

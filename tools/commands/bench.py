@@ -28,7 +28,8 @@ def tiers(policy: Optional[Path] = typer.Option(None, "--policy", "-p",
                                                   help="write the table as Markdown here"),
           quick: bool = typer.Option(False, "--quick", help="small batches, fewer rounds"),
           only: Optional[str] = typer.Option(None, "--tiers", help="comma-separated tier "
-                                             "names or kinds to measure"),
+                                             "names or kinds to measure; `verify`: the "
+                                             "frame check and the candidate hashes"),
           sizes: Optional[str] = typer.Option(None, help="block sizes, e.g. 256KiB,2MiB"),
           batches: Optional[str] = typer.Option(None, help="batch sizes, e.g. 1,64"),
           repeat: int = typer.Option(1, min=1, help="run N times, report medians"),
