@@ -203,6 +203,13 @@ def files_of(root: Path, keys: list[str]) -> list[Path]:
     return [wanted[k] for k in keys if wanted[k] is not None]
 
 
+def in_pool(cluster: Cluster, prompt: list[int]) -> bool:
+    """Whether every full chunk of `prompt` is in the pool (a lender saves after it answers)."""
+    keys = chunk_keys(prompt, cluster.policy("probe", tiers=("dram",)))
+    with cluster.probe(("dram",)) as store:
+        return store.lookup(keys, observe=False).hit_blocks == len(keys)
+
+
 def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    cluster, Engines, chunk_keys, full_block_tokens, make_tiny_model, random_prompt, wait_for)
+    cluster, Engines, full_block_tokens, in_pool, make_tiny_model, random_prompt, wait_for)
 from kvtier.store.base.index import Index  # noqa: E402
 from kvtier.store.counters import read_counters  # noqa: E402
 
@@ -40,13 +40,6 @@ def engines(tmp_path_factory, cluster):
 
 def engine(engines, cluster, name):
     return engines.get(name, cluster.transfer_config(name, load_deadline=True, tiers=("dram",)))
-
-
-def in_pool(cluster, prompt) -> bool:
-    """Whether every full chunk of `prompt` is in the pool (a lender saves after it answers)."""
-    keys = chunk_keys(prompt, cluster.policy("probe", tiers=("dram",)))
-    with cluster.probe(("dram",)) as store:
-        return store.lookup(keys, observe=False).hit_blocks == len(keys)
 
 
 def ttft(eng, prompt):

@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine_util import (  # noqa: E402  (tests/connector is on sys.path)
-    cluster, CHUNK, Cluster, Engines, chunk_keys, files_of, full_block_tokens, make_tiny_model,
-    random_prompt, wait_for)
+    cluster, CHUNK, Cluster, Engines, chunk_keys, files_of, full_block_tokens, in_pool,
+    make_tiny_model, random_prompt, wait_for)
 
 pytestmark = pytest.mark.vllm
 TOKENS = 16  # generated per request
@@ -65,6 +65,7 @@ def test_remote_hit_from_another_instance_is_token_identical(engines, cluster):
     cold = served(a, prompt)
     assert cold.num_cached_tokens == 0
     assert cold.kv_transfer_params["kvtier"]["saved_chunks"] >= LONG // CHUNK
+    wait_for(lambda: in_pool(cluster, prompt), 30, "a's saves of the prompt")
     b = node(engines, cluster, "b")
     hint = {"kvtier": {"session_id": "agent-1", "expected_gap_s": 5.0}}
     hit = served(b, prompt, hint)
@@ -80,8 +81,11 @@ def test_partial_hit_and_a_load_that_starts_inside_the_local_hit(engines, cluste
     assert served(b, prompt).num_cached_tokens >= full_block_tokens(prompt) - CHUNK
     # b holds it in its local prefix cache now
     served(a, longer)  # a computes and saves the continuation
+    # a lender saves after it answers: on a busy host b could ask before the pool has them
+    wait_for(lambda: in_pool(cluster, longer), 30, "a's saves of the continuation")
     out = served(b, longer)
     local = full_block_tokens(prompt)
+    assert "dram" in tier_hits(out), out.kv_transfer_params["kvtier"]
     loaded = tier_hits(out)["dram"]
     # b's local hit ends inside a chunk: the load starts at that chunk without touching it
     assert local % CHUNK and loaded == out.num_cached_tokens - local
