@@ -7,7 +7,7 @@ every core). GB/s is payload per second of the median round; `per_core_gbps` in 
 payload per second of the calling thread's CPU time in the one-thread rows, the per-core
 speed of the hash whatever else the machine runs.
 
-`hash_rows` rates the hashes a frame's checksum could be, on the same frames, so the choice
+`hash_rows` rates the hashes a frame's checksum could be, on frames built alike, so the choice
 of xxh3-64 stays a measurement: the hash alone, one thread (CRC32C where the `crc32c`
 package is installed, BLAKE3 where `blake3` is, zlib's CRC-32), and BLAKE3's own
 multi-threaded mode, the one candidate that can split a single frame over cores
@@ -60,17 +60,14 @@ def hash_candidates() -> tuple[dict[str, tuple[Hash, bool]], list[str]]:
 
 
 def hash_rows(sizes, max_batch_bytes: int, rounds: int = 5) -> tuple[list[Row], list[str]]:
-    """One row per installed candidate and block size: the batch's payloads hashed one
-    after another; and the lines naming the candidates skipped."""
+    """One row per installed candidate and block size: the payloads of a batch built as
+    `checksum_rows`' is, hashed one after another; and the lines naming the candidates
+    skipped."""
     cands, missing = hash_candidates()
     out = []
     for size in sizes:
-        n = max(1, min(BATCH, max_batch_bytes // size))
-        buf = block.alloc_aligned(n * size)
-        payloads = [buf[i * size:(i + 1) * size] for i in range(n)]
-        pattern = (bytes(range(256)) * (size // 256 + 1))[:size]
-        for p in payloads:  # touched: untouched pages would all read the one zero page
-            p[:] = pattern
+        _, frames = _sealed_batch(size, max_batch_bytes)
+        payloads = [f[block.HEADER_SIZE:] for f in frames]
         for name, (fn, threaded) in cands.items():
             clock = time.process_time if threaded else time.thread_time
             times, cpu = [], 0.0
@@ -80,23 +77,38 @@ def hash_rows(sizes, max_batch_bytes: int, rounds: int = 5) -> tuple[list[Row], 
                     fn(p)
                 times.append(time.perf_counter() - t0)
                 cpu += clock() - c0
-            row = row_from_times(name, "reference", "hash", size, n, times)
-            row.extra["per_core_gbps"] = round(size * n * rounds / max(cpu, 1e-9) / 1e9, 2)
+            row = row_from_times(name, "reference", "hash", size, len(frames), times)
+            row.extra["per_core_gbps"] = _per_core_gbps(size * len(frames) * rounds, cpu)
             out.append(row)
     return out, missing
+
+
+def _sealed_batch(size: int, max_batch_bytes: int) -> tuple[list[str], list[memoryview]]:
+    """(keys, sealed frames) of one batch of `size`-byte payloads (up to `BATCH` of them, at
+    most `max_batch_bytes`), page aligned as a tier's staging is; the payloads are written
+    (a pattern), so the hashes read memory a frame really occupies."""
+    n = max(1, min(BATCH, max_batch_bytes // size))
+    stride = block.frame_size(size, block.PAGE)
+    buf = block.alloc_aligned(n * stride)
+    keys = [f"{'0' * NS_HEX}{i:032x}" for i in range(n)]
+    frames = [buf[i * stride:i * stride + block.HEADER_SIZE + size] for i in range(n)]
+    pattern = (bytes(range(256)) * (size // 256 + 1))[:size]
+    for key, frame in zip(keys, frames):
+        frame[block.HEADER_SIZE:] = pattern
+        block.seal(frame, key, size)
+    return keys, frames
+
+
+def _per_core_gbps(nbytes: int, cpu_s: float) -> float:
+    return round(nbytes / max(cpu_s, 1e-9) / 1e9, 2)
 
 
 def checksum_rows(sizes, max_batch_bytes: int, rounds: int = 5) -> list[Row]:
     """One-thread and pool rows per block size (reference rows of the bench)."""
     out = []
     for size in sizes:
-        n = max(1, min(BATCH, max_batch_bytes // size))
-        stride = block.frame_size(size, block.PAGE)
-        buf = block.alloc_aligned(n * stride)
-        keys = [f"{'0' * NS_HEX}{i:032x}" for i in range(n)]
-        frames = [buf[i * stride:i * stride + block.HEADER_SIZE + size] for i in range(n)]
-        for key, frame in zip(keys, frames):
-            block.seal(frame, key, size)
+        keys, frames = _sealed_batch(size, max_batch_bytes)
+        n = len(frames)
         lens = [len(f) for f in frames]
         one, pool, cpu = [], [], []
         for _ in range(rounds):
@@ -108,7 +120,7 @@ def checksum_rows(sizes, max_batch_bytes: int, rounds: int = 5) -> list[Row]:
             assert verify_pool.verified_lens(frames, keys, lens) == [size] * n
             pool.append(time.perf_counter() - t0)
         row = row_from_times("xxh3 verify, 1 thread", "reference", "verify", size, n, one)
-        row.extra["per_core_gbps"] = round(size * n * rounds / sum(cpu) / 1e9, 2)
+        row.extra["per_core_gbps"] = _per_core_gbps(size * n * rounds, sum(cpu))
         out.append(row)
         prow = row_from_times(f"xxh3 verify, {verify_pool.threads()} threads", "reference",
                               "verify", size, n, pool)
