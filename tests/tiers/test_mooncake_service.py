@@ -185,3 +185,25 @@ def _master(master):
 def _addr(view) -> int:
     from kvtier.tiers.mooncake.client import buffer_address
     return buffer_address(view)
+
+
+def test_a_late_load_through_a_service_blames_no_lender_and_logs_no_rpc_error(
+        tmp_path, mooncake_master, capfd):
+    """A pool service cannot say which client lends a block (its clients all use the
+    service's segment, and this Mooncake's service answers no replica query: each try logs
+    an RPC error): a late load counts as `unknown` without asking."""
+    address = f"127.0.0.1:{free_port()}"
+    tier = open_joined(tmp_path, mooncake_master, address)
+    try:
+        keys, frames = frames_for(3, 10_000)
+        assert tier.put(keys, frames) == [True] * 3
+        capfd.readouterr()
+        assert tier.lenders_of(keys) == [[], [], []]
+        tier._blame(keys, late=True)
+        assert tier.lender_failures() == {"unknown": 3}
+        assert tier.unreachable.blocked() == set()  # nothing to keep out of lookups
+        err = capfd.readouterr().err
+        assert "not registered" not in err and "replica failed" not in err, err
+    finally:
+        tier.close()
+        tier.client.owned_service.stop()

@@ -155,7 +155,11 @@ class MooncakeTier(Tier):
 
     def lenders_of(self, keys: list[str]) -> list[list[str]]:
         """The endpoints holding a memory copy of each key, as the master says (none for a
-        key it does not know, or for all when it cannot say)."""
+        key it does not know, or for all when it cannot say). Through a pool service, none:
+        every block lies in the service's one segment, and the service answers no replica
+        query (each try would log an RPC error in the engine's log)."""
+        if self.cfg.service:
+            return [[] for _ in keys]
         try:
             with self.client.session() as store:
                 descs = store.batch_get_replica_desc(keys)
