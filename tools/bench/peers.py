@@ -9,14 +9,18 @@ system always runs first, or right after another's saves):
 - then the system settles (its saves readable, no background work left);
 - local: `a` again after dropping vLLM's prefix cache, so the hit comes from the connector's
   store in the same process (vLLM alone recomputes);
-- cross: `b`, another engine process, reads what `a` saved (vLLM alone has no `b`).
+- cross: `b`, another engine process, reads what `a` saved (vLLM alone has no `b`);
+- decode (with `decode_tokens`): the cold request generates that many tokens, and its time
+  per decode step after the first token is reported: the steps run while the system saves
+  and persists what the prefill computed (vLLM alone: nothing runs beside them).
 
 TTFT is measured inside the engine process: from reading the request to the end of the step
 that produced the first token (`Engine.submit`); `max_tokens` tokens are generated, and every
 system's tokens for every case must equal vLLM alone's cold output for the same prompt
-(`mismatches`). `cached` is vLLM's `num_cached_tokens` (prefix cache plus what the connector
-loaded): a hit shows as all but the prompt's last block. A peer that cannot run here is
-skipped with its reason; kvtier and vLLM alone must run.
+(`mismatches`; a shorter output, the start of it). `cached` is vLLM's `num_cached_tokens`
+(prefix cache plus what the connector loaded): a hit shows as all but the prompt's last
+block. A peer that cannot run here is skipped with its reason; kvtier and vLLM alone must
+run.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from kvtier.tools.vllm_engine import EngineError, make_tiny_model, random_prompt
 
 PEERS = ("mooncake-store", "lmcache")
 CASES = ("cold", "local", "cross")
+ROWS = CASES + ("decode",)  # decode: seconds per decode step, not a TTFT
 
 
 @dataclass
@@ -44,8 +49,11 @@ class PeersSpec:
     kvtier: bool = True  # false: only the peers and vLLM alone (a quicker check of a peer)
     max_tokens: int = 4  # per request: the first is timed, all are checked
     inproc: bool = True
+    decode_tokens: int = 0  # > 1: the cold request generates this many, its steps are timed
 
     def __post_init__(self):
+        if self.decode_tokens == 1 or self.decode_tokens < 0:
+            raise ValueError(f"--decode {self.decode_tokens}: generate 2 tokens or more (0: off)")
         unknown = [p for p in self.peers if p not in PEERS]
         if unknown:
             raise ValueError(f"unknown peer {', '.join(unknown)}: use {', '.join(PEERS)}")
@@ -131,15 +139,21 @@ def _start(system) -> BaseException | None:
     return None
 
 
-def measure(system, prompt: list[int], run: Run, max_tokens: int) -> None:
-    """cold on `a`, settle, local on `a` (its prefix cache dropped), cross on `b`."""
-    def one(node: str, case: str) -> None:
-        done = system.engines[node].submit(prompt, max_tokens).result(timeout=900)
+def measure(system, prompt: list[int], run: Run, max_tokens: int,
+            decode_tokens: int = 0) -> None:
+    """cold on `a` (with `decode_tokens`, its decode steps timed), settle, local on `a` (its
+    prefix cache dropped), cross on `b`."""
+    def one(node: str, case: str, tokens: int = max_tokens):
+        done = system.engines[node].submit(prompt, tokens).result(timeout=900)
         run.result.ttft_s[case].append(done.ttft_s)
         run.cached[case].append(done.num_cached_tokens)
         run.tokens[case].append(done.token_ids)
+        return done
 
-    one("a", "cold")
+    cold = one("a", "cold", decode_tokens or max_tokens)
+    if decode_tokens and cold.done_step > cold.first_step:
+        run.result.ttft_s["decode"].append(
+            (cold.e2e_s - cold.ttft_s) / (cold.done_step - cold.first_step))
     system.settle(prompt)
     system.engines["a"].reset_prefix_cache()
     one("a", "local")
@@ -155,7 +169,7 @@ def mismatches(runs: list[Run]) -> list[str]:
         for case in CASES:
             for i, toks in enumerate(r.tokens[case]):
                 want = ref[r.result.size][i]
-                if toks != want:
+                if toks != want[:len(toks)] or not toks:
                     out.append(f"{r.system} {case}@{r.result.size} round {i + 1}: {toks} "
                                f"!= vLLM alone's {want}")
     return out
@@ -170,7 +184,7 @@ def run_peers(spec: PeersSpec, root: Path | None = None, progress=print) -> dict
         systems, skipped = [], {}
         try:
             systems, skipped = start_systems(spec, root, progress)
-            runs = {(s.name, n): Run(s.name, Result(n, {c: [] for c in CASES}))
+            runs = {(s.name, n): Run(s.name, Result(n, {c: [] for c in ROWS}))
                     for s in systems for n in spec.sizes}
             seed = 20_000
             for n in spec.sizes:
@@ -180,14 +194,15 @@ def run_peers(spec: PeersSpec, root: Path | None = None, progress=print) -> dict
                     k = r % len(systems)
                     for system in systems[k:] + systems[:k]:
                         progress(f"{n} tokens, round {r + 1}: {system.name}")
-                        measure(system, prompt, runs[system.name, n], spec.max_tokens)
+                        measure(system, prompt, runs[system.name, n], spec.max_tokens,
+                                spec.decode_tokens)
         finally:
             for system in systems:
                 system.close()
     runs_list = list(runs.values())
     return {"spec": asdict(spec), "systems": [s.name for s in systems], "skipped": skipped,
             "loadavg": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
-            "rows": [row(r, case) for r in runs_list for case in CASES
+            "rows": [row(r, case) for r in runs_list for case in ROWS
                      if r.result.ttft_s[case]],
             "mismatches": mismatches(runs_list), "missed_hits": missed_hits(runs_list)}
 
@@ -209,8 +224,11 @@ def missed_hits(runs: list[Run], block: int = 32) -> list[str]:
 
 
 def row(run: Run, case: str) -> dict:
+    """One system, size and case: ms (per decode step for `decode`, else TTFT)."""
     res = run.result
-    return {"system": run.system, "size": res.size, "case": case,
-            "median_ms": res.median_ms(case), "min_ms": res.min_ms(case),
-            "p99_ms": res.p99_ms(case), "ttft_s": res.ttft_s[case],
-            "cached_tokens": run.cached[case]}
+    out = {"system": run.system, "size": res.size, "case": case,
+           "median_ms": res.median_ms(case), "min_ms": res.min_ms(case),
+           "p99_ms": res.p99_ms(case)}
+    if case == "decode":
+        return out | {"step_s": res.ttft_s[case]}
+    return out | {"ttft_s": res.ttft_s[case], "cached_tokens": run.cached[case]}

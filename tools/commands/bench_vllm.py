@@ -46,6 +46,10 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
                                              "other connectors (mooncake-store, lmcache; "
                                              "comma-separated) and vLLM alone, cold / local "
                                              "/ cross-process hit, outputs checked"),
+         decode: int = typer.Option(0, "--decode", min=0, help="with --peers: the cold "
+                                    "request generates this many tokens and its decode "
+                                    "steps are timed (while each system saves what the "
+                                    "prefill computed)"),
          ) -> None:
     """TTFT on real vLLM engines: cold, local prefix hit, remote hit from dram/nvme/shared."""
     from kvtier.tools.bench.vllm import BenchSpec, run_bench
@@ -53,8 +57,12 @@ def vllm(sizes: str = typer.Option("4096,8192,16384", help="prompt sizes in toke
 
     if peers is not None:
         from kvtier.tools.commands.bench_peers import run_peers_command
-        run_peers_command(peers, sizes, repeats, dtype, pool, not multiproc, dir, json_out)
+        run_peers_command(peers, sizes, repeats, dtype, pool, not multiproc, dir, json_out,
+                          decode)
         return
+    if decode:
+        raise typer.BadParameter("the decode steps are timed beside the peers: add --peers "
+                                 "(e.g. --peers mooncake-store)", param_hint="--decode")
     if model_kind not in MODEL_KINDS:
         raise typer.BadParameter(f"{model_kind!r}: use one of {', '.join(MODEL_KINDS)}",
                                  param_hint="--model-kind")
