@@ -223,8 +223,11 @@ class WorkerSide:
         if self._forward is not None:  # the forward is done (on CUDA: queued) by now
             self._timed.append((*self._forward, self._now()))
             self._forward = None
-        if not meta.prefill_continues and self.store is not None:
-            self.store.engine_busy(False)  # the prefill (if any) is done: the mover may run
+        if self.store is not None:
+            if meta.work[0] > 0:
+                self.store.engine_stepped()  # a decode too: persists wait for an idle engine
+            if not meta.prefill_continues:
+                self.store.engine_busy(False)  # the prefill (if any) is done
         if meta.saves:
             self._require_registered()
             for job in meta.saves:

@@ -6,8 +6,12 @@ periodic tick (watermarks, due prefetches). While the engine computes a prefill
 `mover.yield_to_prefill_s`: on a host whose CPUs the prefill uses (a CPU engine, a busy
 host) every copy the mover makes between a prompt's chunks delays its first token, and a
 job that has waited that long runs whatever the engine does, so a steady stream of
-prefills delays persists by at most that much. It never waits while the tier it copies
-from may drop the blocks first (`PersistRisk`) or its queue is half full.
+prefills delays persists by at most that much. A persist also waits, as long, while the
+engine decodes (`engine_stepped`: until no step has ended for `mover.idle_after_s`): its
+writes, a shared directory's most (a dozen system calls a file, each giving the GIL back
+and taking it again), slowed the steps running beside them by up to 1.7x, and an agent's
+turns leave gaps to write in. It never waits while the tier it copies from may drop the
+blocks first (`PersistRisk`) or its queue is half full.
 
 Persists go first: a block saved on this node is seen by the others once it reaches the
 shared tier, and a small pool may drop it before then, while a promotion only makes a
@@ -79,6 +83,7 @@ class Mover:
         self._cv = threading.Condition()
         self._stop = False
         self._busy = False  # the engine is computing a prefill
+        self._last_step = -float("inf")  # when the engine's latest step ended
         self.stats = collections.Counter()
         self.copier = Copier(placement, self.cfg.buffer_bytes, self.hold, self.risk, self.evict,
                              self.stats)
@@ -175,20 +180,36 @@ class Mover:
                 if not busy:
                     self._cv.notify_all()
 
-    def _yield(self, queued_at: float, src: str) -> None:
-        """Wait while the engine computes a prefill, until the job has been queued for
-        `yield_to_prefill_s`; never while `src` may drop what the job copies from it or the
-        queue is half full."""
+    def engine_stepped(self) -> None:
+        """The engine ended a step (of any kind): persists wait until it has been idle for
+        `idle_after_s`."""
+        self._last_step = time.monotonic()  # one float: read without the lock
+
+    def _stepping(self, now: float) -> float:
+        """Seconds until the engine counts as idle (0 if it does)."""
+        return max(0.0, self._last_step + self.cfg.idle_after_s - now)
+
+    def _yield(self, queued_at: float, src: str, kind: str = "persist") -> None:
+        """Wait while the engine computes a prefill, and a persist also while the engine
+        steps (decodes), until the job has been queued for `yield_to_prefill_s`; never
+        while `src` may drop what the job copies from it or the queue is half full.
+        (Promotions and prefetches wait only for a prefill: a session due back needs its
+        blocks in time.)"""
         limit = queued_at + self.cfg.yield_to_prefill_s
-        if not self._busy or self.risk.at_risk(self.by_name[src]):
+        decoding = kind == "persist"
+        if ((not self._busy and not (decoding and self._stepping(time.monotonic())))
+                or self.risk.at_risk(self.by_name[src])):
             return  # the risk asks the tier for its usage: only when there is a wait to skip
         with self._cv:
-            while self._busy and not self._stop and self._queued <= self.cfg.queue_blocks // 2:
-                left = limit - time.monotonic()
-                if left <= 0:
+            while not self._stop and self._queued <= self.cfg.queue_blocks // 2:
+                now = time.monotonic()
+                left = limit - now
+                stepping = self._stepping(now) if decoding else 0.0
+                if left <= 0 or not (self._busy or stepping):
                     return
                 self.stats["yield_waits"] += 1
-                self._cv.wait(left)
+                # a prefill's end notifies; a decode's end is seen when its idle time is up
+                self._cv.wait(left if self._busy else min(left, stepping))
 
     def pending(self) -> int:
         """Blocks queued or being moved right now."""
@@ -238,7 +259,7 @@ class Mover:
             try:
                 for i in range(0, len(keys), self.cfg.batch_blocks):
                     if self._thread is not None:  # tests and thread-less stores never wait
-                        self._yield(queued_at, src)
+                        self._yield(queued_at, src, kind)
                     batch = keys[i:i + self.cfg.batch_blocks]
                     if kind == "persist":
                         self._persist(batch, src)

@@ -127,6 +127,10 @@ class TieredStore:
         (`mover.yield_to_prefill_s`)."""
         self.mover.engine_busy(busy)
 
+    def engine_stepped(self) -> None:
+        """The engine ended a step: persists wait for it to idle (`mover.idle_after_s`)."""
+        self.mover.engine_stepped()
+
     def mover_stats(self) -> dict[str, int]:
         """The mover's counters (blocks copied, dropped, missed), a snapshot."""
         return dict(self.mover.stats)

@@ -170,8 +170,11 @@ class MoverConfig(BaseModel):
     `buffer`: the arena every copy goes through. `hold`: memory for copies of just-saved
     frames, kept until they are persisted when the first tier may drop them first (unset:
     as much as `buffer`; 0: never copy, persist only by reading the first tier back).
-    `yield_to_prefill_s`: how long queued work may wait while the engine computes a prefill
-    (its copies would take CPU from the prefill; 0: never wait)."""
+    `yield_to_prefill_s`: how long queued work may wait while the engine computes a prefill,
+    and a persist also while it decodes (its copies would take CPU, and the GIL, from the
+    engine's steps; 0: never wait). `idle_after_s`: how long after its last step the engine
+    counts as idle (its steps follow each other within milliseconds while requests run;
+    an agent's next turn comes seconds later)."""
 
     model_config = _FROZEN
     buffer_bytes: Size = Field(default=256 << 20, alias="buffer", gt=0)
@@ -183,6 +186,7 @@ class MoverConfig(BaseModel):
     low_watermark: float = Field(default=0.8, gt=0, lt=1)
     promote_on_hit: bool = True
     yield_to_prefill_s: float = Field(default=10.0, ge=0)
+    idle_after_s: float = Field(default=0.05, ge=0)
 
     @model_validator(mode="after")
     def _low_below_high(self) -> "MoverConfig":

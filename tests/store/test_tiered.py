@@ -4,6 +4,7 @@ mover, and a hypothesis state machine over small tiers."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -593,6 +594,53 @@ def test_the_mover_yields_to_a_prefill_until_it_ends(tmp_path, shared_master):
         assert store.mover.stats["yield_waits"] > 0
         store.engine_busy(False)
         assert persisted_within(store, keys, 10)
+
+
+class _Decoding:
+    """An engine ending a step every 5 ms (decoding) until stopped."""
+
+    def __init__(self, store):
+        self.store, self.done = store, threading.Event()
+        store.engine_stepped()  # a step has ended before anything is saved
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.005):
+            self.store.engine_stepped()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def test_a_persist_waits_while_the_engine_decodes_and_runs_once_it_idles(tmp_path,
+                                                                        shared_master):
+    keys = block_keys(NS, range(16 * 4))
+    with TieredStore(small_policy(tmp_path, shared_master, yield_to_prefill_s=60)) as store:
+        engine = _Decoding(store)
+        try:
+            store.save(keys, frames_for(keys))
+            assert not persisted_within(store, keys, 0.5)  # steps every 5 ms: it waits
+            assert store.mover.stats["yield_waits"] > 0
+        finally:
+            engine.stop()
+        t0 = time.monotonic()
+        assert persisted_within(store, keys, 10)  # idle for `idle_after_s`: it runs
+        assert time.monotonic() - t0 < 5
+
+
+def test_a_persist_waits_for_a_decode_only_so_long(tmp_path, shared_master):
+    keys = block_keys(NS, range(16 * 4))
+    with TieredStore(small_policy(tmp_path, shared_master, yield_to_prefill_s=0.3)) as store:
+        engine = _Decoding(store)  # a decode that never ends
+        try:
+            t0 = time.monotonic()
+            store.save(keys, frames_for(keys))
+            assert persisted_within(store, keys, 10)
+            assert time.monotonic() - t0 >= 0.3
+        finally:
+            engine.stop()
 
 
 def test_a_persist_waits_for_a_prefill_only_so_long(tmp_path, shared_master):
