@@ -91,6 +91,36 @@ def test_the_cold_request_times_its_decode_steps():
         peers.PeersSpec(decode_tokens=1)
 
 
+class _Host:
+    """A host whose CPUs are busy for the first `busy_for` seconds of a fake clock."""
+
+    def __init__(self, busy_for: float):
+        self.t, self.busy_for, self.jiffies = 0.0, busy_for, [0, 0]
+
+    def sleep(self, s: float) -> None:
+        frac = 0.9 if self.t < self.busy_for else 0.05
+        self.t += s
+        self.jiffies[0] += round(100 * s * frac)
+        self.jiffies[1] += round(100 * s)
+
+    def sample(self) -> tuple[int, int]:
+        return tuple(self.jiffies)
+
+
+def test_each_turn_waits_for_a_quiet_host_and_no_longer_than_its_bound():
+    busy = _Host(busy_for=1.0)
+    waited = peers.wait_quiet(sample=busy.sample, clock=lambda: busy.t, sleep=busy.sleep)
+    assert 1.3 <= waited <= 1.61  # 1 s busy (give or take a step), then 0.3 s quiet
+    never = _Host(busy_for=1e9)
+    assert peers.wait_quiet(timeout_s=2, sample=never.sample, clock=lambda: never.t,
+                            sleep=never.sleep) == pytest.approx(2.0, abs=0.11)
+    quiet = _Host(busy_for=0)
+    assert peers.wait_quiet(sample=quiet.sample, clock=lambda: quiet.t,
+                            sleep=quiet.sleep) == pytest.approx(0.3, abs=0.11)
+    busy_jiffies, all_jiffies = peers.cpu_times()
+    assert 0 <= busy_jiffies <= all_jiffies
+
+
 def test_the_table_has_a_column_per_system_and_kvtier_over_each_other():
     runs = [_run("kvtier", [0.2], [0.01], [0.02], decode=[0.006]),
             _run("mooncake-store", [0.1], [0.02], [0.04], decode=[0.004]),

@@ -10,6 +10,10 @@ system always runs first, or right after another's saves):
 - local: `a` again after dropping vLLM's prefix cache, so the hit comes from the connector's
   store in the same process (vLLM alone recomputes);
 - cross: `b`, another engine process, reads what `a` saved (vLLM alone has no `b`);
+Before each system's turn the host must be quiet (`wait_quiet`: under a quarter of its CPUs
+busy for 0.3 s, waiting 10 s at most): a system's background work that outlives its settle
+(a server still storing) would otherwise land on whichever system comes next.
+
 - decode (with `decode_tokens`): the cold request generates that many tokens, and its time
   per decode step after the first token is reported: the steps run while the system saves
   and persists what the prefill computed (vLLM alone: nothing runs beside them).
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -139,6 +144,36 @@ def _start(system) -> BaseException | None:
     return None
 
 
+def cpu_times() -> tuple[int, int]:
+    """(busy, all) jiffies of the host's CPUs so far, from /proc/stat: busy is user, nice,
+    system, irq and softirq; all adds idle, iowait and what the hypervisor stole."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    busy = v[0] + v[1] + v[2] + v[5] + v[6]
+    return busy, busy + v[3] + v[4] + v[7]
+
+
+def wait_quiet(timeout_s: float = 10.0, busy_below: float = 0.25, window_s: float = 0.3,
+               step_s: float = 0.1, sample=cpu_times, clock=time.monotonic,
+               sleep=time.sleep) -> float:
+    """Wait until the host's CPUs have been under `busy_below` busy for `window_s`, at
+    most `timeout_s`; the seconds waited."""
+    start = clock()
+    prev, quiet_since = sample(), None
+    while clock() - start < timeout_s:
+        sleep(step_s)
+        cur, now = sample(), clock()
+        spent = cur[1] - prev[1]
+        if spent > 0 and (cur[0] - prev[0]) / spent < busy_below:
+            quiet_since = now if quiet_since is None else quiet_since
+            if now - quiet_since >= window_s - 1e-9:
+                break
+        else:
+            quiet_since = None
+        prev = cur
+    return clock() - start
+
+
 def measure(system, prompt: list[int], run: Run, max_tokens: int,
             decode_tokens: int = 0) -> None:
     """cold on `a` (with `decode_tokens`, its decode steps timed), settle, local on `a` (its
@@ -186,7 +221,7 @@ def run_peers(spec: PeersSpec, root: Path | None = None, progress=print) -> dict
             systems, skipped = start_systems(spec, root, progress)
             runs = {(s.name, n): Run(s.name, Result(n, {c: [] for c in ROWS}))
                     for s in systems for n in spec.sizes}
-            seed = 20_000
+            seed, waited = 20_000, 0.0
             for n in spec.sizes:
                 for r in range(spec.repeats):
                     seed += 1
@@ -194,6 +229,7 @@ def run_peers(spec: PeersSpec, root: Path | None = None, progress=print) -> dict
                     k = r % len(systems)
                     for system in systems[k:] + systems[:k]:
                         progress(f"{n} tokens, round {r + 1}: {system.name}")
+                        waited += wait_quiet()
                         measure(system, prompt, runs[system.name, n], spec.max_tokens,
                                 spec.decode_tokens)
         finally:
@@ -202,6 +238,7 @@ def run_peers(spec: PeersSpec, root: Path | None = None, progress=print) -> dict
     runs_list = list(runs.values())
     return {"spec": asdict(spec), "systems": [s.name for s in systems], "skipped": skipped,
             "loadavg": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
+            "quiet_wait_s": round(waited, 1),
             "rows": [row(r, case) for r in runs_list for case in ROWS
                      if r.result.ttft_s[case]],
             "mismatches": mismatches(runs_list), "missed_hits": missed_hits(runs_list)}
