@@ -10,13 +10,13 @@ system always runs first, or right after another's saves):
 - local: `a` again after dropping vLLM's prefix cache, so the hit comes from the connector's
   store in the same process (vLLM alone recomputes);
 - cross: `b`, another engine process, reads what `a` saved (vLLM alone has no `b`);
-Before each system's turn the host must be quiet (`wait_quiet`: under a quarter of its CPUs
-busy for 0.3 s, waiting 10 s at most): a system's background work that outlives its settle
-(a server still storing) would otherwise land on whichever system comes next.
-
 - decode (with `decode_tokens`): the cold request generates that many tokens, and its time
   per decode step after the first token is reported: the steps run while the system saves
   and persists what the prefill computed (vLLM alone: nothing runs beside them).
+
+Before each system's turn the host must be quiet (`wait_quiet`: under a quarter of its CPUs
+busy for 0.3 s, waiting `quiet_wait_s` at most): a system's background work that outlives
+its settle (a server still storing) would otherwise land on whichever system comes next.
 
 TTFT is measured inside the engine process: from reading the request to the end of the step
 that produced the first token (`Engine.submit`); `max_tokens` tokens are generated, and every
@@ -55,6 +55,7 @@ class PeersSpec:
     max_tokens: int = 4  # per request: the first is timed, all are checked
     inproc: bool = True
     decode_tokens: int = 0  # > 1: the cold request generates this many, its steps are timed
+    quiet_wait_s: float = 10.0  # the longest wait for a quiet host before a turn (0: none)
 
     def __post_init__(self):
         if self.decode_tokens == 1 or self.decode_tokens < 0:
@@ -229,7 +230,7 @@ def run_peers(spec: PeersSpec, root: Path | None = None, progress=print) -> dict
                     k = r % len(systems)
                     for system in systems[k:] + systems[:k]:
                         progress(f"{n} tokens, round {r + 1}: {system.name}")
-                        waited += wait_quiet()
+                        waited += wait_quiet(spec.quiet_wait_s)
                         measure(system, prompt, runs[system.name, n], spec.max_tokens,
                                 spec.decode_tokens)
         finally:
