@@ -76,7 +76,7 @@ def test_vllm_two_engines_round_robin_kvtier_beats_their_own_prefix_caches(tmp_p
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("peer", ["mooncake-store", "lmcache"])
+@pytest.mark.parametrize("peer", ["mooncake-store", "mooncake-store+ssd", "lmcache"])
 def test_vllm_a_peer_connector_runs_the_same_plan_as_a_baseline(tmp_path, peer):
     # A peer as its users run it, on the same plan and engines: its pool finds the turns
     # moved between engines too, and the report compares kvtier with it at the same size.

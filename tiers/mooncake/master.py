@@ -124,13 +124,15 @@ class ChildProcess:
     def start(self) -> "ChildProcess":
         raise NotImplementedError
 
-    def _spawn(self, binary: Path, command: list[str], log) -> None:
-        """Run `command` with output to `log`. The owner's death ends the child: no orphan
-        keeps ports or memory, and the processes that joined it start a new one when they
-        notice (`ensure_master`, `ensure_service`)."""
+    def _spawn(self, binary: Path, command: list[str], log,
+               env: dict[str, str] | None = None) -> None:
+        """Run `command` with output to `log` (`env`: variables added to this process's).
+        The owner's death ends the child: no orphan keeps ports or memory, and the processes
+        that joined it start a new one when they notice (`ensure_master`, `ensure_service`)."""
         try:
             self.proc = subprocess.Popen(command, stdout=log, stderr=log,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                         env={**os.environ, **env} if env else None,
                                          preexec_fn=None if self.detached else die_with_parent)
         except OSError as e:
             raise MasterError(f"cannot run {binary}: {e.strerror}; reinstall: {INSTALL_HINT}"

@@ -41,12 +41,16 @@ class PoolService(ChildProcess):
     """One `mooncake_client` process lending `cfg.capacity` bytes on behalf of the node."""
 
     def __init__(self, cfg: MooncakeTierConfig, master: MasterConfig,
-                 log_path: Path | None = None):
+                 log_path: Path | None = None, extra_flags: dict[str, str] | None = None,
+                 env: dict[str, str] | None = None):
+        """`extra_flags` are added to the command line and `env` to the environment (what
+        kvtier does not set itself: Mooncake's own SSD offload, for the peer benches)."""
         if cfg.service is None:
             raise ValueError(f"tier {cfg.name!r} has no service address")
         self.cfg = cfg
         self.master = master
         self.address = cfg.service
+        self.extra_flags, self.env = dict(extra_flags or {}), dict(env or {})
         # The default place is where joining clients look for the service's segment name.
         self.log_path = log_path or service_log(cfg, master.runtime_dir)
         self.proc: subprocess.Popen | None = None
@@ -65,7 +69,7 @@ class PoolService(ChildProcess):
             "protocol": cfg.protocol,
             "device_names": cfg.device,
             "threads": str(cfg.service_threads),
-        }
+        } | self.extra_flags
         return [str(find_mooncake_binary(BINARY)), *(f"-{k}={v}" for k, v in flags.items())]
 
     def start(self) -> "PoolService":
@@ -76,7 +80,7 @@ class PoolService(ChildProcess):
                               f"or set the tier's service to a free port")
         make_private_dirs(self.log_path.parent)
         self._log = private_file(self.log_path, "ab")
-        self._spawn(binary, self.command(), self._log)
+        self._spawn(binary, self.command(), self._log, self.env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.store.base.config import MasterConfig, MooncakeTierConfig
+from kvtier.store.base.units import parse_size
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 from kvtier.tiers.mooncake.service import PoolService
 from kvtier.tools.bench.vllm import Bench, BenchSpec
@@ -159,19 +160,42 @@ class MooncakeStore(System):
         self.master.stop()
 
 
-def start_standalone_store(root: Path, capacity: str | int,
+def start_standalone_store(root: Path, capacity: str | int, offload_dir: Path | None = None,
+                           offload_bytes: int | None = None,
                            ) -> tuple[EmbeddedMaster, PoolService, dict[str, str]]:
     """What `MooncakeStoreConnector` engines in `standalone-store` mode join: a master and
     a `mooncake_client` lending `capacity` (a kvtier pool service is one), started on the
     calling thread, and the environment the engines need (their Mooncake config file, on
-    loopback). Stop both when done."""
-    master = EmbeddedMaster(MasterConfig(address=f"127.0.0.1:{free_port()}", run_dir=root),
+    loopback). Stop both when done.
+
+    `offload_dir`: Mooncake's own SSD tier under the pool, set up as its documentation says
+    (`--enable_offload` on the master and the client, the client's bucket storage backend
+    in `offload_dir`, at most `offload_bytes` there, `enable_offload` in the engines'
+    config): objects are written to disk as they are put and read from there once the pool
+    has dropped them. Two of its defaults are scaled to a pool this small: a bucket is
+    written when it holds 256 MiB (1/16 of a 4 GiB pool; here 1/16 of the pool), and the
+    writer wakes every second instead of every 10 (an object waiting for its write is
+    pinned in the pool, and a pool of a few hundred MiB fills with them in 10 s: every
+    put is then refused)."""
+    flags, env = {}, {}
+    if offload_dir is not None:
+        offload_dir.mkdir(parents=True, exist_ok=True)
+        flags = {"enable_offload": "true"}
+        env = {"MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": str(offload_dir.resolve()),
+               "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
+               "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES": str(
+                   max(1 << 20, parse_size(capacity) // 16)),
+               "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1",
+               **({"MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(offload_bytes)}
+                  if offload_bytes else {})}
+    master = EmbeddedMaster(MasterConfig(address=f"127.0.0.1:{free_port()}", run_dir=root,
+                                         extra_flags=flags),
                             log_path=root / "mooncake-store-master.log").start()
     try:
         tier = MooncakeTierConfig(kind="mooncake", name="pool", capacity=capacity,
                                   buffer="128MiB", service=f"127.0.0.1:{free_port()}")
-        client = PoolService(tier, master.cfg,
-                             log_path=root / "mooncake-store-client.log").start()
+        client = PoolService(tier, master.cfg, log_path=root / "mooncake-store-client.log",
+                             extra_flags=flags, env=env).start()
     except BaseException:
         master.stop()
         raise
@@ -180,7 +204,7 @@ def start_standalone_store(root: Path, capacity: str | int,
         "metadata_server": master.cfg.metadata_server,
         "master_server_address": master.address, "protocol": "tcp", "device_name": "",
         "mode": "standalone-store", "global_segment_size": 0,
-        "local_buffer_size": 512 << 20}))
+        "local_buffer_size": 512 << 20, "enable_offload": offload_dir is not None}))
     return master, client, {"MOONCAKE_CONFIG_PATH": str(config), **LOOPBACK_ENV}
 
 

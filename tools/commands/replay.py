@@ -145,7 +145,8 @@ def replay(
                              "working set (comma-separated)"),
     baselines: str = typer.Option("local,dram-only", help="engines: baselines to run too, of "
                                   "local, dram-only and the peers mooncake-store (vLLM's "
-                                  "MooncakeStoreConnector) and lmcache (make peers), "
+                                  "MooncakeStoreConnector), mooncake-store+ssd (the same "
+                                  "with Mooncake's SSD offload) and lmcache (make peers), "
                                   "--engine vllm"),
     kv_ratio: float = typer.Option(4.0, min=0.1, help="engines: live contexts / KV cache"),
     kv_tokens: int = typer.Option(0, min=0, help="engines: KV cache tokens per instance "

@@ -9,6 +9,9 @@ A configuration (`Config`) is what the comparison varies:
 - `mooncake-store`: a peer, vLLM's own `MooncakeStoreConnector` as its users run it
   (standalone-store mode: one `mooncake_client` lending a pool of the same size as kvtier's,
   over TCP on loopback; `tools.bench.peer_systems`);
+- `mooncake-store+ssd`: the same with Mooncake's own SSD offload under the pool (its
+  `mooncake_client` writes every object to a disk of kvtier's disk tiers' size and reads
+  back from there what the pool dropped);
 - `lmcache`: a peer, `LMCacheMPConnector` and one `lmcache server` whose L1 is the pool's
   size, the engines as vLLM multi-process engines from the peers' venv (`make peers`;
   `tools.bench.lmcache_peer`).
@@ -24,7 +27,8 @@ from pathlib import Path
 from kvtier.store.base.block import HEADER_SIZE
 from kvtier.store.base.errors import KVTierError
 
-PEERS = ("mooncake-store", "lmcache")  # other systems' connectors, run as their users would
+# other systems' connectors, run as their users would
+PEERS = ("mooncake-store", "mooncake-store+ssd", "lmcache")
 KINDS = ("kvtier", "dram-only", "local", *PEERS)
 MIN_SEGMENT = 16 << 20  # Mooncake's smallest segment
 MODEL_NAME = "tiny-llama"
@@ -96,6 +100,11 @@ class Sizing:
                 f"{need:.2f}x this one), or use fewer instances")
         return seg
 
+    def disk_bytes(self) -> int:
+        """What a disk tier holds (kvtier's nvme and shared dir, a peer's SSD tier): twice
+        the working set, so a disk never evicts and the pool's size is what is compared."""
+        return max(64 << 20, 2 * self.working_set_bytes)
+
 
 def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
                 chunk_tokens: int, eviction: str, admission: str,
@@ -110,7 +119,6 @@ def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
     pool, shared memory), instead of each lending its share; `run_dir` is then the one the
     service's starter used, where it names its segment for the node's processes.
     `metrics_port`: the master's, where the pool tier reads what its segment holds."""
-    ws = sizing.working_set_bytes
     disk = tiers_root or root
     dram = {"name": "dram", "kind": "mooncake",
             "capacity": sizing.segment_bytes(cfg.dram_frac), "buffer": "32MiB",
@@ -123,11 +131,11 @@ def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
     tiers = [dram]
     if cfg.kind == "kvtier":
         tiers += [{"name": "nvme", "kind": "nvme", "path": str(disk / node / "nvme"),
-                   "capacity": max(64 << 20, _round_up(2 * ws, 4 << 20)),
+                   "capacity": _round_up(sizing.disk_bytes(), 4 << 20),
                    "region_size": "4MiB"},
                   {"name": "shared", "kind": "sharedfs",
                    "path": str(shared or disk / "shared"),
-                   "capacity": max(64 << 20, 2 * ws)}]
+                   "capacity": sizing.disk_bytes()}]
     return {"namespace": {"model": MODEL_NAME}, "chunk_tokens": chunk_tokens,
             "index": {"path": str(root / node / "index"), "map_size": "64MiB"},
             "master": {"address": master, "embedded": False,

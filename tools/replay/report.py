@@ -28,6 +28,10 @@ KINDS = {"kvtier": ("pool + disk tiers", "the DRAM pool, then nvme and the share
                             "vLLM's own Mooncake store connector (standalone-store: a pool of "
                             "the same size, over TCP); vLLM reports its hits with the local "
                             "prefix cache's, so its hit % has no local split"),
+         "mooncake-store+ssd": ("MooncakeStoreConnector + Mooncake's SSD offload",
+                                "the same with Mooncake's own SSD tier under the pool (every "
+                                "object also written to a disk of kvtier's disk tiers' size, "
+                                "read from there once the pool dropped it)"),
          "lmcache": ("LMCache",
                      "LMCacheMPConnector and one lmcache server whose L1 is the pool's size, "
                      "the engines multi-process (make peers); its hit % has no local split")}

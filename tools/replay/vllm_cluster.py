@@ -91,7 +91,8 @@ class VllmCluster:
         elif cfg.kind in PEERS:
             try:
                 self.peer = start_peer_pool(cfg.kind, root,
-                                            sizing.segment_bytes(cfg.dram_frac) * n)
+                                            sizing.segment_bytes(cfg.dram_frac) * n,
+                                            sizing.disk_bytes())
             except PeerUnavailable as e:
                 raise ReplayError(f"--baselines {cfg.kind}: {e}") from e
         elif cfg.uses_store:
