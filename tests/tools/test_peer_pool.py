@@ -67,3 +67,4 @@ def test_what_outlives_the_pool_is_what_the_peer_keeps_on_disk(tmp_path, kind):
         if store is not None:
             store.close()
         pool.stop()
+    assert not (tmp_path / "mooncake-ssd").exists()  # the disk tier's files go with it

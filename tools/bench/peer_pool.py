@@ -11,6 +11,7 @@ says how to start one engine on it (`engine(kw)`) and stops what it started (`st
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 
@@ -22,8 +23,9 @@ class MooncakeStorePool:
 
     def __init__(self, root: Path, pool_bytes: int, disk_bytes: int):
         from kvtier.tools.bench.peer_systems import start_standalone_store
+        self.disk = root / "mooncake-ssd" if self.offload else None
         self.master, self.client, self.env = start_standalone_store(
-            root, pool_bytes, *((root / "mooncake-ssd", disk_bytes) if self.offload else ()))
+            root, pool_bytes, *((self.disk, disk_bytes) if self.disk else ()))
 
     def engine(self, kw: dict) -> dict:
         """Update one engine's keyword arguments in place; return its transfer config."""
@@ -32,8 +34,12 @@ class MooncakeStorePool:
         return mooncake_store_transfer_config()
 
     def stop(self) -> None:
+        """Stop both; the SSD tier's files go with them (blocks, not a result: the run's
+        logs stay)."""
         self.client.stop()  # before its master, which it reports to
         self.master.stop()
+        if self.disk is not None:
+            shutil.rmtree(self.disk, ignore_errors=True)
 
 
 class MooncakeStoreSsdPool(MooncakeStorePool):
