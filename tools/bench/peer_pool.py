@@ -5,8 +5,8 @@ shared pool a peer connector's engines use, sized like kvtier's: for `mooncake-s
 master and a `mooncake_client` lending the pool (`tools.bench.peer_systems`), for
 `mooncake-store+ssd` the same with Mooncake's own SSD tier under it (`disk_bytes` in a
 directory under `root`), for `lmcache` an `lmcache server` with an L1 of that size
-(`tools.bench.lmcache_peer`). The returned object
-says how to start one engine on it (`engine(kw)`) and stops what it started (`stop()`).
+(`tools.bench.lmcache_peer`). The returned object says how to start one engine on it
+(`engine(kw)`) and stops what it started (`stop()`).
 """
 
 from __future__ import annotations
