@@ -190,12 +190,14 @@ def _check(doc: dict, systems: list[str], decode: bool = False) -> None:
 
 
 @pytest.mark.vllm
-def test_mooncake_store_beside_vllm_alone(tmp_path):
+def test_mooncake_store_with_and_without_its_ssd_tier_beside_vllm_alone(tmp_path):
     pytest.importorskip("vllm")
-    spec = peers.PeersSpec(sizes=(N,), repeats=1, peers=("mooncake-store",), kvtier=False,
-                           decode_tokens=16, quiet_wait_s=1)  # the suite keeps the host busy
+    spec = peers.PeersSpec(sizes=(N,), repeats=1, kvtier=False, decode_tokens=16,
+                           peers=("mooncake-store", "mooncake-store+ssd"),
+                           quiet_wait_s=1)  # the suite keeps the host busy
     _check(peers.run_peers(spec, tmp_path, progress=lambda msg: None),
-           ["mooncake-store", "vllm-alone"], decode=True)
+           ["mooncake-store", "mooncake-store+ssd", "vllm-alone"], decode=True)
+    assert not list(tmp_path.rglob("mooncake-ssd"))  # the SSD tier's files go at close
 
 
 @pytest.mark.vllm

@@ -12,6 +12,8 @@ measurement):
   that saved them (in its embedded mode they go with the saving process); each engine its
   own `lookup_rpc_port` (the default IPC path is one per host: a second engine's lookup
   server would unlink the first's); settled when the master's key count stops growing.
+- `mooncake-store+ssd`: the same with Mooncake's own SSD offload under the pool
+  (`start_standalone_store`); its files are removed at close.
 - `lmcache`: `tools.bench.lmcache_peer`.
 - `vllm-alone`: one engine without a connector, the reference every output is checked
   against; its "local" after a prefix-cache reset is a recompute, and it has no `b`.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -140,9 +143,13 @@ class MooncakeStore(System):
 
     name = "mooncake-store"
     POOL = "2GiB"  # the `mooncake_client`'s segment: kvtier's pool service lends as much
+    disk: Path | None = None  # Mooncake's SSD tier under the pool (`mooncake-store+ssd`)
 
     def prepare(self) -> None:
-        self.master, self.client, self.env = start_standalone_store(self.root, self.POOL)
+        home = self.root / self.name  # its config file and logs, apart from another's
+        home.mkdir(parents=True, exist_ok=True)
+        self.master, self.client, self.env = start_standalone_store(
+            home, self.POOL, *((self.disk, 2 * parse_size(self.POOL)) if self.disk else ()))
 
     def start(self) -> None:
         self.start_engines({node: (mooncake_store_transfer_config(), self.env)
@@ -158,6 +165,19 @@ class MooncakeStore(System):
         super().close()
         self.client.stop()
         self.master.stop()
+        if self.disk is not None:
+            shutil.rmtree(self.disk, ignore_errors=True)
+
+
+class MooncakeStoreSsd(MooncakeStore):
+    """The same with Mooncake's SSD offload (every object also written to disk as it is
+    put); the bench's prompts fit the pool, so what it measures is the writes' cost."""
+
+    name = "mooncake-store+ssd"
+
+    def prepare(self) -> None:
+        self.disk = self.root / self.name / "mooncake-ssd"
+        super().prepare()
 
 
 def start_standalone_store(root: Path, capacity: str | int, offload_dir: Path | None = None,

@@ -39,7 +39,7 @@ from pathlib import Path
 from kvtier.tools.bench.vllm import BenchSpec, Result
 from kvtier.tools.vllm_engine import EngineError, make_tiny_model, random_prompt
 
-PEERS = ("mooncake-store", "lmcache")
+PEERS = ("mooncake-store", "mooncake-store+ssd", "lmcache")
 CASES = ("cold", "local", "cross")
 ROWS = CASES + ("decode",)  # decode: seconds per decode step, not a TTFT
 
@@ -82,7 +82,8 @@ class Run:
 def _systems(spec: PeersSpec):
     from kvtier.tools.bench import peer_systems as ps
     from kvtier.tools.bench.lmcache_peer import LMCache
-    known = {"kvtier": ps.Kvtier, "mooncake-store": ps.MooncakeStore, "lmcache": LMCache,
+    known = {"kvtier": ps.Kvtier, "mooncake-store": ps.MooncakeStore,
+             "mooncake-store+ssd": ps.MooncakeStoreSsd, "lmcache": LMCache,
              "vllm-alone": ps.VllmAlone}
     names = (["kvtier"] if spec.kvtier else []) + list(spec.peers) + ["vllm-alone"]
     return [(name, known[name]) for name in names], ps.PeerUnavailable
