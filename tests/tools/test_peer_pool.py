@@ -17,10 +17,10 @@ OBJECT = 1 * MiB
 
 def _requester(pool):
     store_mod = pytest.importorskip("mooncake.store")
-    cfg = pool.master.cfg
+    master = pool.store.master
     store = store_mod.MooncakeDistributedStore()
-    assert store.setup("127.0.0.1", cfg.metadata_server, 0, 64 * MiB, "tcp", "",
-                       pool.master.address) == 0
+    assert store.setup("127.0.0.1", master.cfg.metadata_server, 0, 64 * MiB, "tcp", "",
+                       master.address) == 0
     return store
 
 

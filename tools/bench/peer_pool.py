@@ -11,7 +11,6 @@ directory under `root`), for `lmcache` an `lmcache server` with an L1 of that si
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 
@@ -19,34 +18,28 @@ class MooncakeStorePool:
     """A master and a `mooncake_client` lending the pool; engines in `standalone-store`
     mode, each with a lookup port of its own."""
 
-    offload = False  # Mooncake's SSD tier under the pool
+    ssd = False  # Mooncake's SSD tier under the pool
 
     def __init__(self, root: Path, pool_bytes: int, disk_bytes: int):
         from kvtier.tools.bench.peer_systems import start_standalone_store
-        self.disk = root / "mooncake-ssd" if self.offload else None
-        self.master, self.client, self.env = start_standalone_store(
-            root, pool_bytes, *((self.disk, disk_bytes) if self.disk else ()))
+        self.store = start_standalone_store(root, pool_bytes,
+                                            ssd_bytes=disk_bytes if self.ssd else None)
 
     def engine(self, kw: dict) -> dict:
         """Update one engine's keyword arguments in place; return its transfer config."""
         from kvtier.tools.bench.peer_systems import mooncake_store_transfer_config
-        kw["env"] = {**kw["env"], **self.env}
+        kw["env"] = {**kw["env"], **self.store.env}
         return mooncake_store_transfer_config()
 
     def stop(self) -> None:
-        """Stop both; the SSD tier's files go with them (blocks, not a result: the run's
-        logs stay)."""
-        self.client.stop()  # before its master, which it reports to
-        self.master.stop()
-        if self.disk is not None:
-            shutil.rmtree(self.disk, ignore_errors=True)
+        self.store.stop()
 
 
 class MooncakeStoreSsdPool(MooncakeStorePool):
     """The same, with Mooncake's SSD offload: every object put is also written to disk by
     the `mooncake_client`, and read from there once the pool has dropped it."""
 
-    offload = True
+    ssd = True
 
 
 class LMCachePool:

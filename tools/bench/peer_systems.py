@@ -29,6 +29,7 @@ import shutil
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.store.base.config import MasterConfig, MooncakeTierConfig
@@ -143,30 +144,27 @@ class MooncakeStore(System):
 
     name = "mooncake-store"
     POOL = "2GiB"  # the `mooncake_client`'s segment: kvtier's pool service lends as much
-    disk: Path | None = None  # Mooncake's SSD tier under the pool (`mooncake-store+ssd`)
+    ssd = False  # Mooncake's SSD tier under the pool (`mooncake-store+ssd`)
 
     def prepare(self) -> None:
         home = self.root / self.name  # its config file and logs, apart from another's
         home.mkdir(parents=True, exist_ok=True)
-        self.master, self.client, self.env = start_standalone_store(
-            home, self.POOL, *((self.disk, 2 * parse_size(self.POOL)) if self.disk else ()))
+        self.store = start_standalone_store(
+            home, self.POOL, ssd_bytes=2 * parse_size(self.POOL) if self.ssd else None)
 
     def start(self) -> None:
-        self.start_engines({node: (mooncake_store_transfer_config(), self.env)
+        self.start_engines({node: (mooncake_store_transfer_config(), self.store.env)
                             for node in ("a", "b")})
 
     def stored(self) -> int:
         """The keys the master holds."""
-        with urllib.request.urlopen(self.master.metrics_url, timeout=2) as resp:
+        with urllib.request.urlopen(self.store.master.metrics_url, timeout=2) as resp:
             m = re.search(r"^master_key_count (\S+)", resp.read().decode(), re.M)
         return int(float(m.group(1))) if m else 0
 
     def close(self) -> None:
         super().close()
-        self.client.stop()
-        self.master.stop()
-        if self.disk is not None:
-            shutil.rmtree(self.disk, ignore_errors=True)
+        self.store.stop()
 
 
 class MooncakeStoreSsd(MooncakeStore):
@@ -174,40 +172,55 @@ class MooncakeStoreSsd(MooncakeStore):
     put); the bench's prompts fit the pool, so what it measures is the writes' cost."""
 
     name = "mooncake-store+ssd"
-
-    def prepare(self) -> None:
-        self.disk = self.root / self.name / "mooncake-ssd"
-        super().prepare()
+    ssd = True
 
 
-def start_standalone_store(root: Path, capacity: str | int, offload_dir: Path | None = None,
-                           offload_bytes: int | None = None,
-                           ) -> tuple[EmbeddedMaster, PoolService, dict[str, str]]:
+@dataclass
+class StandaloneStore:
+    """A running standalone store: its master, its `mooncake_client`, the environment its
+    engines need, and the directory of its SSD tier (None without one)."""
+
+    master: EmbeddedMaster
+    client: PoolService
+    env: dict[str, str]
+    disk: Path | None = None
+
+    def stop(self) -> None:
+        """Stop the client, then the master it reports to; the SSD tier's files go with
+        them (blocks, not a result: the logs stay)."""
+        self.client.stop()
+        self.master.stop()
+        if self.disk is not None:
+            shutil.rmtree(self.disk, ignore_errors=True)
+
+
+def start_standalone_store(root: Path, capacity: str | int, ssd_bytes: int | None = None,
+                           ) -> StandaloneStore:
     """What `MooncakeStoreConnector` engines in `standalone-store` mode join: a master and
     a `mooncake_client` lending `capacity` (a kvtier pool service is one), started on the
     calling thread, and the environment the engines need (their Mooncake config file, on
-    loopback). Stop both when done.
+    loopback). Stop it when done.
 
-    `offload_dir`: Mooncake's own SSD tier under the pool, set up as its documentation says
-    (`--enable_offload` on the master and the client, the client's bucket storage backend
-    in `offload_dir`, at most `offload_bytes` there, `enable_offload` in the engines'
-    config): objects are written to disk as they are put and read from there once the pool
-    has dropped them. Two of its defaults are scaled to a pool this small: a bucket is
-    written when it holds 256 MiB (1/16 of a 4 GiB pool; here 1/16 of the pool), and the
+    `ssd_bytes`: Mooncake's own SSD tier under the pool, in `root / "mooncake-ssd"`, set up
+    as its documentation says (`--enable_offload` on the master and the client, the
+    client's bucket storage backend there, at most `ssd_bytes`, `enable_offload` in the
+    engines' config): objects are written to disk as they are put and read from there once
+    the pool has dropped them. Two of its defaults are scaled to a pool this small: a bucket
+    is written when it holds 256 MiB (1/16 of a 4 GiB pool; here 1/16 of the pool), and the
     writer wakes every second instead of every 10 (an object waiting for its write is
     pinned in the pool, and a pool of a few hundred MiB fills with them in 10 s: every
     put is then refused)."""
-    flags, env = {}, {}
-    if offload_dir is not None:
-        offload_dir.mkdir(parents=True, exist_ok=True)
+    flags, env, disk = {}, {}, None
+    if ssd_bytes is not None:
+        disk = root / "mooncake-ssd"
+        disk.mkdir(parents=True, exist_ok=True)
         flags = {"enable_offload": "true"}
-        env = {"MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": str(offload_dir.resolve()),
+        env = {"MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": str(disk.resolve()),
                "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
                "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES": str(
                    max(1 << 20, parse_size(capacity) // 16)),
                "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1",
-               **({"MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(offload_bytes)}
-                  if offload_bytes else {})}
+               "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(ssd_bytes)}
     master = EmbeddedMaster(MasterConfig(address=f"127.0.0.1:{free_port()}", run_dir=root,
                                          extra_flags=flags),
                             log_path=root / "mooncake-store-master.log").start()
@@ -224,8 +237,9 @@ def start_standalone_store(root: Path, capacity: str | int, offload_dir: Path | 
         "metadata_server": master.cfg.metadata_server,
         "master_server_address": master.address, "protocol": "tcp", "device_name": "",
         "mode": "standalone-store", "global_segment_size": 0,
-        "local_buffer_size": 512 << 20, "enable_offload": offload_dir is not None}))
-    return master, client, {"MOONCAKE_CONFIG_PATH": str(config), **LOOPBACK_ENV}
+        "local_buffer_size": 512 << 20, "enable_offload": disk is not None}))
+    return StandaloneStore(master, client, {"MOONCAKE_CONFIG_PATH": str(config),
+                                            **LOOPBACK_ENV}, disk)
 
 
 def mooncake_store_transfer_config() -> dict:
