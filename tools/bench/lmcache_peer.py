@@ -35,7 +35,7 @@ from kvtier.tools.bench.peer_systems import PeerUnavailable, System
 
 QUIET_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
 START_TIMEOUT_S = 180.0  # the server imports torch and LMCache's native modules
-L1_GB = 2
+L1_BYTES = 2 << 30
 
 
 def peers_dir() -> Path:
@@ -64,7 +64,7 @@ class LMCache(System):
     inproc = False
 
     def prepare(self) -> None:
-        self.server = LMCacheServer(self.root, L1_GB)
+        self.server = LMCacheServer(self.root, L1_BYTES)
 
     def start(self) -> None:
         self.start_engines({node: (self.server.transfer_config(), QUIET_ENV)
@@ -81,11 +81,11 @@ class LMCache(System):
 
 
 class LMCacheServer:
-    """One `lmcache server` (L1 of `l1_gb` GB, LRU) from the peers' venv, started and
+    """One `lmcache server` (L1 of `l1_bytes`, LRU) from the peers' venv, started and
     answering; what its engines need: `transfer_config()`, `python`, `QUIET_ENV`.
     Raises `PeerUnavailable` (one line) when it cannot run here."""
 
-    def __init__(self, root: Path, l1_gb: float):
+    def __init__(self, root: Path, l1_bytes: int):
         venv = peers_dir() / "lmcache"
         problem = venv_problem(venv)
         if problem:
@@ -93,9 +93,10 @@ class LMCacheServer:
         self.python = str(venv / "bin" / "python")
         self.port, self.http_port = free_port(), free_port()
         log_path = root / "lmcache-server.log"
+        gib = repr(l1_bytes / (1 << 30))  # the server reads GiB: `int(gib * 2**30)` bytes
         command = [str(venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1",
                    "--port", str(self.port), "--http-host", "127.0.0.1",
-                   "--http-port", str(self.http_port), "--l1-size-gb", f"{l1_gb:g}",
+                   "--http-port", str(self.http_port), "--l1-size-gb", gib,
                    "--eviction-policy", "LRU", "--supported-transfer-mode", "auto"]
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=log,

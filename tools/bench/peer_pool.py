@@ -49,7 +49,7 @@ class LMCachePool:
 
     def __init__(self, root: Path, pool_bytes: int, disk_bytes: int):
         from kvtier.tools.bench.lmcache_peer import QUIET_ENV, LMCacheServer
-        self.server = LMCacheServer(root, pool_bytes / 1e9)  # PeerUnavailable: why not
+        self.server = LMCacheServer(root, pool_bytes)  # PeerUnavailable: why not
         self.env = dict(QUIET_ENV)
 
     def engine(self, kw: dict) -> dict:
