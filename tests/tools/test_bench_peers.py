@@ -172,6 +172,13 @@ def test_the_lmcache_peer_says_how_to_build_it(tmp_path, monkeypatch):
         peers.PeersSpec(peers=("offloading",))
 
 
+def test_the_lmcache_server_gets_the_pools_bytes():
+    """The server reads `--l1-size-gb` in GiB: its L1 must be the pool the others get."""
+    from kvtier.tools.bench.lmcache_peer import l1_size_arg
+    for pool in (73_949_184, 443_694_592, 2 << 30, 1):
+        assert int(float(l1_size_arg(pool)) * (1 << 30)) == pool
+
+
 def _check(doc: dict, systems: list[str], decode: bool = False) -> None:
     assert doc["systems"] == systems and doc["mismatches"] == [] and doc["missed_hits"] == []
     rows = {(r["system"], r["case"]): r for r in doc["rows"]}

@@ -38,6 +38,12 @@ START_TIMEOUT_S = 180.0  # the server imports torch and LMCache's native modules
 L1_BYTES = 2 << 30
 
 
+def l1_size_arg(l1_bytes: int) -> str:
+    """`--l1-size-gb` for an L1 of `l1_bytes`: the server reads GiB and keeps
+    `int(value * 2**30)` bytes, so the pool's bytes go through unchanged."""
+    return repr(l1_bytes / (1 << 30))
+
+
 def peers_dir() -> Path:
     """Where the peers' venvs are: `$KVTIER_PEERS_DIR`, else the checkout's `.venv-peers`."""
     env = os.environ.get("KVTIER_PEERS_DIR")
@@ -93,10 +99,9 @@ class LMCacheServer:
         self.python = str(venv / "bin" / "python")
         self.port, self.http_port = free_port(), free_port()
         log_path = root / "lmcache-server.log"
-        gib = repr(l1_bytes / (1 << 30))  # the server reads GiB: `int(gib * 2**30)` bytes
         command = [str(venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1",
                    "--port", str(self.port), "--http-host", "127.0.0.1",
-                   "--http-port", str(self.http_port), "--l1-size-gb", gib,
+                   "--http-port", str(self.http_port), "--l1-size-gb", l1_size_arg(l1_bytes),
                    "--eviction-policy", "LRU", "--supported-transfer-mode", "auto"]
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=log,
