@@ -61,3 +61,25 @@ def test_the_tables_explain_the_configurations_and_the_targets(report):
     assert "scale 0.15" in text
     notes = [t["note"] for t in report["targets"]]
     assert notes and all(notes), report["targets"]
+
+
+def test_tokens_promised_then_recomputed_are_said_under_the_table(report):
+    """A run whose loads fell short says how much was promised and recomputed, and how much
+    was found and recomputed as faster; a run with none says nothing of it."""
+    import copy
+
+    from rich.console import Console
+    shown = copy.deepcopy(report)
+    label, cfg = next(iter(shown["runs"][-1]["configs"].items()))
+    cfg["overall"].update(recomputed_pct=1.25, declined_pct=0.5)
+    console = Console(record=True, width=200)
+    render(shown, console)
+    text = console.export_text()
+    assert (f"{label}: 1.25% of input tokens promised by a lookup and then recomputed"
+            in text) and "0.50% found and recomputed as faster than loading" in text
+    for run in shown["runs"]:
+        for c in run["configs"].values():
+            c["overall"].update(recomputed_pct=0.0, declined_pct=0.0)
+    console = Console(record=True, width=200)
+    render(shown, console)
+    assert "promised by a lookup" not in console.export_text()

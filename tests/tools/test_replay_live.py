@@ -11,6 +11,7 @@ import pytest
 from kvtier.tools.replay import live as replay_live
 from kvtier.tools.replay.experiment import EngineSpec, build_plan
 from kvtier.tools.replay.live import run_live
+from kvtier.tools.replay.metrics import summarize
 from kvtier.tools.replay.router import make_router
 
 SERVICE_S = 0.3  # each scripted request's length; the plan's sessions start ms apart
@@ -37,7 +38,8 @@ class Scripted:
             done(RuntimeError("engine died"))
             return
         done({"cached": 64, "tiers": {"dram": 32}, "saved_chunks": 1, "output_tokens": 4,
-              "ttft_s": SERVICE_S / 10, "e2e_s": SERVICE_S, "queued_s": 0.01})
+              "ttft_s": SERVICE_S / 10, "e2e_s": SERVICE_S, "queued_s": 0.01,
+              "recomputed": 32 if i % 2 else 0, "declined": 16 if i % 3 == 0 else 0})
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,14 @@ def test_requests_join_a_busy_engine_without_waiting_for_the_others(plan):
         assert r["ttft"] == pytest.approx(r["start"] - r["sent"] + SERVICE_S / 10)
         assert r["e2e"] == r["end"] - r["sent"] and r["queued_s"] == 0.01
         assert r["tiers"] == {"dram": 32} and r["cached"] == 64
+        # what the engine recomputed of a promise, or declined, reaches the report
+        assert r["recomputed"] == (32 if r["i"] % 2 else 0)
+        assert r["declined"] == (16 if r["i"] % 3 == 0 else 0)
+    summary = summarize(recs, ["dram"], 1, 32, kv_tokens=1 << 20)
+    inputs = sum(r["input_tokens"] for r in recs)
+    assert summary["overall"]["recomputed_pct"] == pytest.approx(
+        100.0 * 32 * sum(r["i"] % 2 for r in recs) / inputs)
+    assert summary["overall"]["declined_pct"] > 0
 
 
 def test_a_full_instance_queues_and_the_wait_counts_in_ttft(plan):

@@ -124,4 +124,6 @@ def _record(plan: Plan, k: int, payload) -> tuple[int, dict]:
         "ttft": (start - sent) + ttft_in_engine, "e2e": end - sent,
         "cached": int(res["cached"]), "tiers": dict(res.get("tiers") or {}),
         "saved_chunks": int(res.get("saved_chunks", 0)), "load_s": res.get("load_s"),
+        # promised by a lookup and recomputed; found and recomputed as faster (`metrics`)
+        "recomputed": int(res.get("recomputed", 0)), "declined": int(res.get("declined", 0)),
         **{key: res[key] for key in DETAIL if res.get(key) is not None}}
