@@ -67,12 +67,13 @@ def render(report: dict, console: Console) -> None:
         console.print(_compare(run))
         console.print(_footnote(run))
         for label, c in run["configs"].items():
-            o = c["overall"]
-            if o.get("recomputed_pct") or o.get("declined_pct"):
-                console.print(f"  {label}: {o.get('recomputed_pct', 0):.2f}% of input tokens "
-                              "promised by a lookup and then recomputed (a load that failed "
-                              f"or passed its deadline), {o.get('declined_pct', 0):.2f}% found "
-                              "and recomputed as faster than loading")
+            lost, declined = (c["overall"].get(k) or 0 for k in ("recomputed_pct",
+                                                                  "declined_pct"))
+            if lost or declined:
+                console.print(f"  {label}: {lost:.2f}% of input tokens promised by a lookup "
+                              "and then recomputed (a load that failed or passed its "
+                              f"deadline), {declined:.2f}% found and recomputed as faster "
+                              "than loading")
             split = c.get("pool_hits_by_host")
             if split:
                 total = max(1, split["same"] + split["cross"])
