@@ -5,6 +5,7 @@ Every server binds loopback on a free port; every fixture stops what it starts.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from kvtier.store.base.config import MasterConfig, policy_from_dict
 from kvtier.store.base.errors import TierUnavailableError
-from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
+from kvtier.tiers.mooncake.master import EmbeddedMaster
 from kvtier.tools.api_server import metric_sum  # noqa: F401  (the tests' helper too)
 
 
@@ -49,10 +50,14 @@ def _isolated_home(tmp_path, monkeypatch):
     return home
 
 
+_MASTER_LOGS = itertools.count()
+
+
 def start_master(tmp_path: Path, **cfg) -> EmbeddedMaster:
-    port = free_port()
-    master = EmbeddedMaster(MasterConfig(address=f"127.0.0.1:{port}", **cfg),
-                            log_path=tmp_path / f"master-{port}.log")
+    """A master on free loopback ports it picks itself (a port taken between pick and bind
+    is picked again); its log is `master-<pid>-<n>.log` under `tmp_path`."""
+    log = tmp_path / f"master-{os.getpid()}-{next(_MASTER_LOGS)}.log"
+    master = EmbeddedMaster(MasterConfig(address="127.0.0.1:0", **cfg), log_path=log)
     return master.start()
 
 

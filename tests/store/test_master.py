@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -33,6 +34,42 @@ def test_port_in_use_is_a_clear_error(mooncake_master, tmp_path):
     cfg = MasterConfig(address=mooncake_master.address)
     with pytest.raises(MasterError, match="already in use"):
         EmbeddedMaster(cfg).start()
+
+
+def taken_admin_port(monkeypatch, times: int):
+    """A real listener on a loopback port that the next `times` admin-port picks return."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    real, picks = master_mod.free_port, []
+
+    def pick(host="127.0.0.1"):
+        picks.append(host)
+        # With port 0 in the address the RPC port is picked first, then the admin port.
+        admin_pick = len(picks) % 2 == 0
+        return port if admin_pick and len(picks) <= 2 * times else real(host)
+
+    monkeypatch.setattr(master_mod, "free_port", pick)
+    return listener, port
+
+
+def test_a_port_taken_between_pick_and_bind_is_picked_again(tmp_path, monkeypatch):
+    listener, taken = taken_admin_port(monkeypatch, times=1)
+    with listener, EmbeddedMaster(MasterConfig(address="127.0.0.1:0"),
+                                  log_path=tmp_path / "m.log") as m:
+        assert m.alive() and master_answers(m.address)
+        assert m.metrics_port != taken and m.health()["status"] == "ok"
+        assert m.cfg.address == m.address and m.rpc_port != 0  # a restart finds it again
+        assert f"127.0.0.1:{taken}: Address already in use" in (tmp_path / "m.log").read_text()
+
+
+def test_a_port_taken_at_every_pick_is_a_clear_error(tmp_path, monkeypatch):
+    listener, taken = taken_admin_port(monkeypatch, times=master_mod.PORT_ATTEMPTS)
+    with listener, pytest.raises(MasterError, match="exited with code 1 at start"):
+        EmbeddedMaster(MasterConfig(address="127.0.0.1:0"), log_path=tmp_path / "m.log").start()
+    log = (tmp_path / "m.log").read_text()
+    assert log.count(f"{taken}: Address already in use") == master_mod.PORT_ATTEMPTS
 
 
 def test_missing_binary_names_the_install(monkeypatch, tmp_path):

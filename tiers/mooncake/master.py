@@ -32,6 +32,8 @@ from kvtier.store.base.index import make_private_dirs
 from kvtier.tiers.mooncake import ha
 
 DEBIAN_PACKAGES = "libibverbs1 librdmacm1 libnuma1"
+# How many times a start picks its ports again when one was taken between pick and bind.
+PORT_ATTEMPTS = 3
 INSTALL_HINT = ("pip install 'kvtier[cpu]' (mooncake-transfer-engine-non-cuda) or "
                 "'kvtier[cuda]' (mooncake-transfer-engine)")
 
@@ -213,23 +215,57 @@ class EmbeddedMaster(ChildProcess):
         return [str(find_master_binary()), *(f"-{k}={v}" for k, v in flags.items())]
 
     def start(self) -> "EmbeddedMaster":
+        """Start the master and wait until it serves. The admin port is always picked free
+        here, and the RPC port too when the address gives port 0 (`cfg.address` then names
+        the one picked): a port taken between the pick and the master's bind (by another
+        process's listener or outgoing connection) is picked again, `PORT_ATTEMPTS` times."""
         binary = find_master_binary()
         check_shared_libraries(binary)
         if self.cfg.ha and self.host in ("0.0.0.0", "::", ""):
             raise MasterError(f"an HA master publishes its address to clients through etcd; "
                               f"bind this host's address, not {self.host} (master.address or "
                               "--address)")
-        if self.rpc_port == 0:
-            self.rpc_port = free_port(self.host)
-        if master_answers(self.address):
-            raise MasterError(f"port {self.address} is already in use; stop what listens there "
-                              "or set master.address to a free port")
-        self.metrics_port = free_port(self.host)
-        log = private_file(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self._log = log if self.log_path else None
-        self._spawn(binary, self.command(), log)
-        self._wait_ready()
-        return self
+        pick_rpc = self.rpc_port == 0
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            if pick_rpc:
+                self.rpc_port = free_port(self.host)
+                self.cfg = self.cfg.model_copy(update={"address": self.address})
+            if master_answers(self.address):
+                raise MasterError(f"port {self.address} is already in use; stop what listens "
+                                  "there or set master.address to a free port")
+            self.metrics_port = free_port(self.host)
+            log_start = self._log_size()
+            log = private_file(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+            self._log = log if self.log_path else None
+            self._spawn(binary, self.command(), log)
+            try:
+                self._wait_ready()
+                return self
+            except MasterError:
+                picked = [self.metrics_port] + ([self.rpc_port] if pick_rpc else [])
+                if attempt == PORT_ATTEMPTS or not self._port_taken(log_start, picked):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _log_size(self) -> int:
+        try:
+            return Path(self.log_path).stat().st_size if self.log_path else 0
+        except OSError:
+            return 0
+
+    def _port_taken(self, log_start: int, ports: list[int]) -> bool:
+        """True if this start's log says one of `ports` was in use (no log: cannot tell)."""
+        self.stop()
+        if not self.log_path:
+            return False
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(log_start)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return False
+        return any("in use" in line and any(f":{p}" in line for p in ports)
+                   for line in text.splitlines())
 
     def health(self) -> dict | None:
         """The master's own `/health` (HA role and state, the leader it sees), or None."""
@@ -239,7 +275,12 @@ class EmbeddedMaster(ChildProcess):
         if self.cfg.ha:  # a standby never answers on its RPC port: ask its admin port
             return ha.joined(ha.master_health(f"{self.host}:{self.metrics_port}", 0.2),
                              self.address)
-        return master_answers(self.address, 0.2)
+        # The master binds its RPC port before its admin port and exits when the admin port
+        # is taken: it serves once both answer, the admin port with the master's own health.
+        if not master_answers(self.address, 0.2):
+            return False
+        health = ha.master_health(f"{self.host}:{self.metrics_port}", 0.2)
+        return bool(health) and health.get("status") == "ok"
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.cfg.start_timeout_s
