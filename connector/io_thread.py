@@ -1,21 +1,22 @@
 """The worker's one background I/O thread: every store load and save runs here.
 
-Loads go first (a request waits on them); saves after. A load batch reads up to one staging
-buffer of chunks from the store (verified there: a corrupt or missing chunk is a MISS),
-scatters the chunks before the first miss into the paged cache, and reports the blocks of
-the missed chunk and of every later chunk of the request as failed, so vLLM recomputes from
-the first of them. On a CPU cache, chunks the store can hand out where they lie (runs in
-another engine's pool segment file, `TieredStore.locate`) are scattered from there, without
-the copy into staging, and what landed in the cache is checked. A save batch arrives already
-gathered into a staging buffer (by the main thread, in `wait_for_save`); here it is sealed
-(header + checksum) and written through the store. A failed save is only a future miss: it
-is counted and logged, never retried inline.
+Loads go first (a request waits on them), the one due first first (`LoadQueue`); saves
+after. A load batch reads up to one staging buffer of chunks from the store (verified there:
+a corrupt or missing chunk is a MISS), scatters the chunks before the first miss into the
+paged cache, and reports the blocks of the missed chunk and of every later chunk of the
+request as failed, so vLLM recomputes from the first of them. On a CPU cache, chunks the
+store can hand out where they lie (runs in another engine's pool segment file,
+`TieredStore.locate`) are scattered from there, without the copy into staging, and what
+landed in the cache is checked. A save batch arrives already gathered into a staging buffer
+(by the main thread, in `wait_for_save`); here it is sealed (header + checksum) and written
+through the store. A failed save is only a future miss: it is counted and logged, never
+retried inline.
 
 Thread safety: `submit_*` are called from the model-runner thread; results are taken with
 `take_results`. A synchronous load (`load_now`) runs in the model-runner thread itself,
-beside this one; the two share the load staging buffer, one at a time. On CUDA, loads run
-on a side stream that is synchronised before a request is reported, and a save waits for
-the event recorded after its device-to-host copy.
+beside this one; the two share the load staging buffer, one at a time. On CUDA, loads run on
+a side stream that is synchronised before a request is reported, and a save waits for the
+event recorded after its device-to-host copy.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtier.connector.layout import PagedKV
+from kvtier.connector.load_queue import LoadQueue
 from kvtier.connector.staging import FrameBuffer, StagingPool
 from kvtier.store.base import block
 from kvtier.store.base.errors import KVTierError
@@ -95,7 +97,7 @@ class IOThread:
         self.m, self.payload_len = blocks_per_chunk, payload_len
         self.stats, self.stats_lock = stats, stats_lock
         self.stream = torch.cuda.Stream(paged.device) if paged.device.type == "cuda" else None
-        self._loads: collections.deque[LoadBatch] = collections.deque()
+        self._loads = LoadQueue()  # earliest deadline first
         self._saves: collections.deque[SaveBatch] = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
@@ -174,7 +176,7 @@ class IOThread:
                     self._cv.wait()
                 if not (self._loads or self._saves):
                     return
-                job = self._loads.popleft() if self._loads else self._saves.popleft()
+                job = self._loads.pop() if self._loads else self._saves.popleft()
                 self._busy += 1
             try:
                 self._do(job)
