@@ -56,6 +56,7 @@ class LoadBatch:
     tiers: list[str] | None = None  # where the lookup found each chunk (asked first)
     sync: bool = False     # run by `load_now`: its request is not reported as received
     deadline: float | None = None   # `time.monotonic()` past which what has not arrived fails
+    grace_s: float = 0.0   # the least time it gets from its start: the deadline moves out to it
 
 
 @dataclass
@@ -210,6 +211,12 @@ class IOThread:
         if job.req_id in self._failed_reqs:  # an earlier batch missed: nothing after it counts
             self._finish_load(job, ok_rows=0)
             return
+        now = time.monotonic()
+        if job.deadline is not None and job.grace_s and now + job.grace_s > job.deadline:
+            # Late from the queue, not from its source: it gets its grace from now.
+            job.deadline = now + job.grace_s
+            with self.stats_lock:
+                self.stats.add("load_late_starts")
         t0 = time.perf_counter()
         n = len(job.keys)
         got: list[int | None] = [None] * n

@@ -41,6 +41,7 @@ class LoadJob:
     sync: bool = False
     deadline_s: float | None = None  # from when the worker takes it; None: no deadline
     group: int = 0
+    grace_s: float = 0.0  # the least time the load gets from its start, however late
 
 
 @dataclass

@@ -34,11 +34,17 @@ load beats recomputing it (the rest is recomputed: a tier slower than the engine
 for those tokens is not worth waiting for), and the load's deadline: the recompute it
 saves, less a margin for the failover itself. Past it, waiting has cost what recomputing
 would have, so a stall (a lender that stops, a lease that expires) costs a request at most
-about twice a recompute, never the transfer engine's own give-up. Tried first and replaced:
-a deadline of a few times the expected load (at least 15% of the recompute). On the main
-job's replay, four engines saturating two cores slowed loads and prefills alike, the tight
-deadline cut loads that were slow but coming, and the recomputes and re-saves that followed
-raised the TTFT median by 25-40% and the bytes saved 1.5-1.8x (BENCHMARKS.md).
+about twice a recompute, never the transfer engine's own give-up. A load that starts late,
+having spent its time in the engine's I/O thread behind a load that started before it, gets
+`GRACE` times its expected time from its start (at most its deadline): a queue says nothing
+of the load's source, and the data is there. A stall after such a start is cut at that
+grace, so it costs at most a deadline more than one that starts on time.
+
+Tried first and replaced: a deadline of a few times the expected load (at least 15% of the
+recompute). On the main job's replay, four engines saturating two cores slowed loads and
+prefills alike, the tight deadline cut loads that were slow but coming, and the recomputes
+and re-saves that followed raised the TTFT median by 25-40% and the bytes saved 1.5-1.8x
+(BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ REFIT_EVERY = 16      # steps between fits, once the window is an eighth full (e
 MIN_STEPS = 2         # steps with tokens before the first fit (the anchor holds the rest)
 PRIOR_STEP_S = 0.002  # a forward's fixed cost until measured
 MARGIN = 0.1          # of the recompute time a load saves: what failing over costs
+GRACE = 2.0           # a load that starts late gets this many times its expected time
 PRIOR_STEPS = 1.0     # what the prior weighs, per term, in steps
 CLASS_STEPS = 5       # recent steps kept per size class for the measured bounds
 CLASS_MIN = 3         # steps of a class that must agree before it sets a bound
@@ -244,12 +251,14 @@ def _solve(m: list[list[float]], r: list[float]) -> list[float]:
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """Load hit chunks [0, chunks) (of those offered); give up on them after `deadline_s`."""
+    """Load hit chunks [0, chunks) (of those offered); give up on them after `deadline_s`,
+    or `grace_s` after the load starts where it started later than that allows."""
 
     chunks: int
     deadline_s: float
     expected_s: float
     recompute_s: float
+    grace_s: float = 0.0
 
 
 def plan_load(tiers: Sequence[str | None], chunk_tokens: int, first_ctx: int,
@@ -277,4 +286,5 @@ def plan_load(tiers: Sequence[str | None], chunk_tokens: int, first_ctx: int,
         return LoadPlan(0, 0.0, 0.0, full)
     expected, _ = expected_s(tiers[:best_p])
     saves = model.predict(best_p * chunk_tokens, first_ctx)
-    return LoadPlan(best_p, max(saves * (1 - MARGIN), expected), expected, saves)
+    deadline = max(saves * (1 - MARGIN), expected)
+    return LoadPlan(best_p, deadline, expected, saves, min(GRACE * expected, deadline))

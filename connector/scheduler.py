@@ -95,6 +95,7 @@ class _Plan:
     tiers: tuple[str, ...]
     sync: bool
     deadline_s: float | None = None
+    grace_s: float = 0.0         # the least time the load gets from its start (`LoadPlan`)
     tail: int = 0                # recurrent models: tokens of the hit past its chunks
     end_key: str | None = None   # recurrent models: the key of the hit's end (`_state_end`)
     end_tier: str | None = None  # where the end's frames were found (a hint for the load)
@@ -212,7 +213,7 @@ class SchedulerSide:
                   (time.perf_counter() - t0) * 1e3)
         self.stats.add("lookups")
         self.stats.add("lookup_tokens", max(0, limit * self.chunk - num_computed))
-        hits, deadline = self._plan(st, found, first)
+        hits, deadline, grace = self._plan(st, found, first)
         hits = self._others_hold(st, keys, first, hits)
         tail, end_key, end_tier = 0, None, None
         if self.states:
@@ -226,7 +227,7 @@ class SchedulerSide:
             return 0, False
         sync = self._load_sync(st)
         st.plan = _Plan(num_computed, first, hits - first, found.tiers[first:hits], sync,
-                        deadline, tail, end_key, end_tier)
+                        deadline, grace, tail, end_key, end_tier)
         return external, not sync
 
     def _end_key(self, st: _Req, pos: int) -> str:
@@ -287,14 +288,14 @@ class SchedulerSide:
         return [None if not all(where[j * n + i] for j in range(len(fps)))
                 else where[(len(fps) - 1) * n + i] for i in range(n)]
 
-    def _plan(self, st: _Req, found: Any, first: int) -> tuple[int, float | None]:
-        """(chunks of the chain to count as hit, the load's deadline): the prefix of the hit
-        past the local one whose load beats recomputing it (`plan_load`)."""
+    def _plan(self, st: _Req, found: Any, first: int) -> tuple[int, float | None, float]:
+        """(chunks of the chain to count as hit, the load's deadline, its grace): the prefix
+        of the hit past the local one whose load beats recomputing it (`plan_load`)."""
         st.declined = 0
         if st.load_failed or found.hit_blocks <= first:
-            return first, None
+            return first, None, 0.0
         if not self.deadlines:
-            return found.hit_blocks, None
+            return found.hit_blocks, None, 0.0
         plan = plan_load(found.tiers[first:found.hit_blocks], self.chunk, first * self.chunk,
                          lambda ts: self.store.expected_load_s(ts, self.frame_bytes),
                          self.recompute)
@@ -303,7 +304,7 @@ class SchedulerSide:
             log.debug("kvtier: %s: loading %d of %d hit chunks (load %.1f ms against "
                       "recompute %.1f ms)", st.request.request_id, plan.chunks,
                       found.hit_blocks - first, plan.expected_s * 1e3, plan.recompute_s * 1e3)
-        return first + plan.chunks, plan.deadline_s
+        return first + plan.chunks, plan.deadline_s, plan.grace_s
 
     def _rows(self, ids: list[int], chunks: Any) -> list[list[int]]:
         """The block ids of each of `chunks` (chunk indices) in one group's `ids`."""
@@ -359,18 +360,20 @@ class SchedulerSide:
         rows = self._rows(ids, range(plan.first, plan.first + n))
         skip = plan.num_computed // self.shape.block_size - plan.first * self.m
         job = LoadJob(request.request_id, st.keys[plan.first:plan.first + n], rows, skip,
-                      list(plan.tiers[:n]), plan.sync, plan.deadline_s, self.shape.group)
+                      list(plan.tiers[:n]), plan.sync, plan.deadline_s, self.shape.group,
+                      plan.grace_s)
         self._loads.append(self._with_tail(job, plan, ids, self.fp))
         for shape, fp in self.others:
             job = self._group_load(st, shape, fp, all_ids[shape.group], plan, n)
             if job is not None or plan.tail:
                 job = job or LoadJob(request.request_id, [], [], 0, [], plan.sync,
-                                     plan.deadline_s, shape.group)
+                                     plan.deadline_s, shape.group, plan.grace_s)
                 self._loads.append(self._with_tail(job, plan, all_ids[shape.group], fp))
         for shape, fp in self.states:
             self._loads.append(LoadJob(request.request_id, rank_keys([plan.end_key], fp),
                                        [all_ids[shape.group][:1]], 0, [plan.end_tier],
-                                       plan.sync, plan.deadline_s, shape.group))
+                                       plan.sync, plan.deadline_s, shape.group,
+                                       plan.grace_s))
         st.loads["sync" if plan.sync else "async"] += 1
         st.loaded_upto = st.saved_upto = plan.first + n
         if plan.deadline_s is not None:
@@ -413,7 +416,8 @@ class SchedulerSide:
         local = plan.num_computed // self.shape.block_size - lo * m if lo == plan.first else 0
         nulls = next((j for j, b in enumerate(rows[0]) if b != NULL_BLOCK), m)
         return LoadJob(st.request.request_id, rank_keys(st.keys[lo:end], fp), rows,
-                       max(local, nulls), [], plan.sync, plan.deadline_s, shape.group)
+                       max(local, nulls), [], plan.sync, plan.deadline_s, shape.group,
+                       plan.grace_s)
 
     def _promise(self, plan: _Plan, n: int, num_external: int) -> list[tuple[str, int]]:
         """(tier, tokens) of each chunk of the load: the first starts inside the local hit;

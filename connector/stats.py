@@ -8,6 +8,8 @@ then recomputed), `declined_tokens` (scheduler: found, recomputed because loadin
 would have taken longer), `lookups`, `lookup_tokens` (tokens asked for), `load_bytes`,
 `load_chunks`, `load_in_place_chunks` (of those, scattered straight from a pool segment file),
 `load_error_blocks`, `load_late_chunks` (chunks not loaded by their deadline),
+`load_late_starts` (load batches that started past the time their deadline left them, and
+got their grace from their start),
 `lender_failures:<lender>` (pool blocks whose read failed or came late, by the transport
 endpoint of the process lending them), `save_bytes`, `save_chunks`, `save_failed_chunks`.
 """
@@ -85,6 +87,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         "declined_tokens": "Prompt tokens found in kvtier and recomputed because loading "
                            "them would have taken longer",
         "load_late_chunks": "Chunks not loaded by their load's deadline (recomputed)",
+        "load_late_starts": "Load batches that started late, behind other loads, and got "
+                            "their grace from their start",
         "save_failed_chunks": "Chunks kvtier could not save",
     }
 

@@ -213,10 +213,12 @@ class WorkerSide:
         starts = list(range(0, len(keys), step))
         # The request waits from now: past its deadline, what has not arrived is recomputed.
         deadline = None if job.deadline_s is None else time.monotonic() + job.deadline_s
+        # Each batch's share of the grace, by its share of the chunks.
+        grace = job.grace_s / max(1, len(keys))
         return [LoadBatch(job.req_id, keys[s:s + step], job.block_ids[s:s + step],
                           job.skip_first if s == 0 else 0, last=(s == starts[-1]),
                           tiers=job.tiers[s:s + step] or None, sync=job.sync,
-                          deadline=deadline)
+                          deadline=deadline, grace_s=grace * len(keys[s:s + step]))
                 for s in starts]
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:

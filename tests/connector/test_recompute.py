@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvtier.connector.recompute import (MARGIN, RecomputeModel,
+from kvtier.connector.recompute import (GRACE, MARGIN, RecomputeModel,
                                         plan_load)
 
 CHUNK = 256
@@ -66,6 +66,17 @@ def test_a_fast_tier_is_loaded_whole_with_the_recompute_it_saves_as_its_deadline
     saves = model.predict(64 * CHUNK)
     assert plan.deadline_s == pytest.approx(saves * (1 - MARGIN))
     assert plan.expected_s < plan.deadline_s < saves  # never longer than the recompute
+
+
+def test_a_late_start_gets_twice_the_expected_load_and_never_more_than_the_deadline():
+    model = fitted()
+    fast = plan_load(["dram"] * 64, CHUNK, 0, rate(0.0001), model)
+    assert fast.grace_s == pytest.approx(GRACE * fast.expected_s)
+    assert fast.grace_s < fast.deadline_s
+    # a tier whose load is expected to take most of the recompute it saves
+    per_chunk = model.predict(64 * CHUNK) / 64 * 0.8
+    slow = plan_load(["dram"] * 64, CHUNK, 0, rate(per_chunk, call_s=0.0), model)
+    assert slow.chunks == 64 and slow.grace_s == pytest.approx(slow.deadline_s)
 
 
 def test_a_tier_slower_than_prefill_is_recomputed_and_a_mixed_hit_is_cut_where_it_slows():

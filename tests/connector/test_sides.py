@@ -10,6 +10,7 @@ middle of a load, a request aborted while its load is queued.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -311,6 +312,43 @@ def test_a_hit_slower_to_load_than_to_compute_is_declined_and_said_so(deadline_s
     assert kv["declined_tokens"] == 4 * CHUNK  # the 4 whole chunks found
     assert kv["hit_tokens"] == {} and kv["recomputed_tokens"] == 0
     assert sides.sched.get_stats().data["counters"]["declined_tokens"] == 4 * CHUNK
+
+
+def test_a_load_carries_its_grace_from_the_plan(deadline_sides):
+    sides = deadline_sides
+    tokens = random_prompt(8, 300)
+    save_prompt(sides, "r1", tokens, list(range(0, 10)))
+    r = request("r2", tokens)
+    n, _ = sides.sched.get_num_new_matched_tokens(r, 0)
+    sides.sched.update_state_after_alloc(r, blocks(range(20, 30)), n)
+    (job,) = step(sides.sched).loads
+    assert 0 < job.grace_s <= job.deadline_s
+
+
+@pytest.mark.parametrize("grace_s", [5.0, 0.0])
+def test_a_load_that_starts_past_its_deadline_gets_its_grace_from_its_start(sides, grace_s):
+    """A load that waited out its deadline in the I/O thread's queue (here: given one that
+    has passed) still loads what lies there within its grace; with none, it is recomputed."""
+    tokens = random_prompt(9, 300)
+    src, dst = list(range(0, 10)), list(range(20, 30))
+    save_prompt(sides, "r1", tokens, src)
+    r = request("r2", tokens)
+    n, _ = sides.sched.get_num_new_matched_tokens(r, 0)
+    sides.sched.update_state_after_alloc(r, blocks(dst), n)
+    meta = step(sides.sched)
+    meta.loads[:] = [replace(job, deadline_s=-1.0, grace_s=grace_s) for job in meta.loads]
+    _, recving = run_worker(sides.worker, meta)
+    wait_until(lambda: recving or sides.worker.get_finished(set())[1], 10, "the load to end")
+    counters = sides.worker.get_stats().data["counters"]
+    failed = sides.worker.get_block_ids_with_load_errors()
+    if grace_s:
+        assert failed == set() and counters["load_chunks"] == 4
+        assert counters["load_late_starts"] == 1 and "load_late_chunks" not in counters
+        for a, b in zip(blocks_of(sides.caches, src[:8]), blocks_of(sides.caches, dst[:8])):
+            assert torch.equal(a, b)
+    else:
+        assert failed == set(dst[:8]) and counters["load_late_chunks"] == 4
+        assert "load_late_starts" not in counters
 
 
 def test_request_aborted_while_loading_saves_nothing_and_holds_nothing(deadline_sides):
