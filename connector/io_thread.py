@@ -22,17 +22,19 @@ event recorded after its device-to-host copy.
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import logging
+import math
 import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
 from kvtier.connector.layout import PagedKV
-from kvtier.connector.load_queue import LoadQueue
 from kvtier.connector.staging import FrameBuffer, StagingPool
 from kvtier.store.base import block
 from kvtier.store.base.errors import KVTierError
@@ -67,6 +69,37 @@ class SaveBatch:
     hint: "SessionHint | None"
     ready: object | None = None  # a CUDA event to wait for before reading `buf.host`
     t0: float = field(default_factory=time.perf_counter)
+
+
+class LoadQueue:
+    """Load batches, taken earliest deadline first (ties and no deadline: arrival
+    order). Not thread-safe: the I/O thread's lock guards it.
+
+    One thread serves every request's loads. Taken in arrival order, a short load queued
+    behind a long one waited out its whole deadline there and was recomputed with its
+    data in place (seen on the WEKA replay: loads of a few chunks behind one of 271).
+    Taking the batch whose deadline comes first meets every deadline that any order
+    would meet (EDF on one server, here at the grain of a batch), and the long load,
+    whose deadline is long because recomputing it is, gives up only the short loads'
+    time. Batches of one deadline (a request's own, which must run in order) keep their
+    arrival order; batches with no deadline come after every one that has one.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, LoadBatch]] = []
+        self._seq = itertools.count()
+
+    def extend(self, batches: Iterable[LoadBatch]) -> None:
+        for b in batches:
+            due = math.inf if b.deadline is None else b.deadline
+            heapq.heappush(self._heap, (due, next(self._seq), b))
+
+    def pop(self) -> LoadBatch:
+        """The batch due first; IndexError when empty."""
+        return heapq.heappop(self._heap)[2]
+
+    def __len__(self) -> int:
+        return len(self._heap)
 
 
 def stage_save(paged: PagedKV, buf: FrameBuffer, block_ids: list[list[int]],

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.connector.io_thread import LoadBatch
-from kvtier.connector.load_queue import LoadQueue
+from kvtier.connector.io_thread import LoadBatch, LoadQueue
 
 
 def batches(req: str, n: int, deadline: float | None) -> list[LoadBatch]:
