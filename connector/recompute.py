@@ -36,9 +36,10 @@ saves, less a margin for the failover itself. Past it, waiting has cost what rec
 would have, so a stall (a lender that stops, a lease that expires) costs a request at most
 about twice a recompute, never the transfer engine's own give-up. A load that starts late,
 having spent its time in the engine's I/O thread behind a load that started before it, gets
-`GRACE` times its expected time from its start (at most its deadline): a queue says nothing
-of the load's source, and the data is there. A stall after such a start is cut at that
-grace, so it costs at most a deadline more than one that starts on time.
+`GRACE` times its expected time from its start (at most its deadline; its deadline where
+the rate was never measured): a queue says nothing of the load's source, and the data is
+there. A stall after such a start is cut at that grace, so it costs at most a deadline
+more than one that starts on time.
 
 Tried first and replaced: a deadline of a few times the expected load (at least 15% of the
 recompute). On the main job's replay, four engines saturating two cores slowed loads and
@@ -284,7 +285,9 @@ def plan_load(tiers: Sequence[str | None], chunk_tokens: int, first_ctx: int,
             best_p, best_t = p, t
     if best_p == 0:
         return LoadPlan(0, 0.0, 0.0, full)
-    expected, _ = expected_s(tiers[:best_p])
+    expected, measured = expected_s(tiers[:best_p])
     saves = model.predict(best_p * chunk_tokens, first_ctx)
     deadline = max(saves * (1 - MARGIN), expected)
-    return LoadPlan(best_p, deadline, expected, saves, min(GRACE * expected, deadline))
+    # Twice a guess means nothing: a load whose rate was never measured gets its deadline.
+    grace = min(GRACE * expected, deadline) if measured else deadline
+    return LoadPlan(best_p, deadline, expected, saves, grace)

@@ -96,6 +96,7 @@ def test_a_load_never_timed_gets_the_whole_recompute_time():
     model = fitted()
     plan = plan_load(["dram"] * 64, CHUNK, 0, rate(0.0001, measured=False), model)
     assert plan.deadline_s == pytest.approx(model.predict(64 * CHUNK) * (1 - MARGIN))
+    assert plan.grace_s == plan.deadline_s  # twice a guess would mean nothing
 
 
 def test_an_engine_that_only_serves_hits_does_not_guess_a_cheap_recompute():
