@@ -231,6 +231,8 @@ class EmbeddedMaster(ChildProcess):
                 self.rpc_port = free_port(self.host)
                 self.cfg = self.cfg.model_copy(update={"address": self.address})
             if master_answers(self.address):
+                if pick_rpc and attempt < PORT_ATTEMPTS:
+                    continue
                 raise MasterError(f"port {self.address} is already in use; stop what listens "
                                   "there or set master.address to a free port")
             self.metrics_port = free_port(self.host)
