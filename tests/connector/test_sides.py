@@ -314,14 +314,20 @@ def test_a_hit_slower_to_load_than_to_compute_is_declined_and_said_so(deadline_s
     assert sides.sched.get_stats().data["counters"]["declined_tokens"] == 4 * CHUNK
 
 
-def test_a_load_carries_its_grace_from_the_plan(deadline_sides):
-    sides = deadline_sides
-    tokens = random_prompt(8, 300)
-    save_prompt(sides, "r1", tokens, list(range(0, 10)))
+def promised(s, seed: int, dst: list[int]):
+    """Save a 300-token prompt as r1 (blocks 0-9), then look it up as r2 and allocate `dst`
+    for the hit; (r2, the tokens promised)."""
+    tokens = random_prompt(seed, 300)
+    save_prompt(s, "r1", tokens, list(range(0, 10)))
     r = request("r2", tokens)
-    n, _ = sides.sched.get_num_new_matched_tokens(r, 0)
-    sides.sched.update_state_after_alloc(r, blocks(range(20, 30)), n)
-    (job,) = step(sides.sched).loads
+    n, _ = s.sched.get_num_new_matched_tokens(r, 0)
+    s.sched.update_state_after_alloc(r, blocks(dst), n)
+    return r, n
+
+
+def test_a_load_carries_its_grace_from_the_plan(deadline_sides):
+    promised(deadline_sides, 8, list(range(20, 30)))
+    (job,) = step(deadline_sides.sched).loads
     assert 0 < job.grace_s <= job.deadline_s
 
 
@@ -329,12 +335,8 @@ def test_a_load_carries_its_grace_from_the_plan(deadline_sides):
 def test_a_load_that_starts_past_its_deadline_gets_its_grace_from_its_start(sides, grace_s):
     """A load that waited out its deadline in the I/O thread's queue (here: given one that
     has passed) still loads what lies there within its grace; with none, it is recomputed."""
-    tokens = random_prompt(9, 300)
     src, dst = list(range(0, 10)), list(range(20, 30))
-    save_prompt(sides, "r1", tokens, src)
-    r = request("r2", tokens)
-    n, _ = sides.sched.get_num_new_matched_tokens(r, 0)
-    sides.sched.update_state_after_alloc(r, blocks(dst), n)
+    promised(sides, 9, dst)
     meta = step(sides.sched)
     meta.loads[:] = [replace(job, deadline_s=-1.0, grace_s=grace_s) for job in meta.loads]
     _, recving = run_worker(sides.worker, meta)
@@ -353,11 +355,7 @@ def test_a_load_that_starts_past_its_deadline_gets_its_grace_from_its_start(side
 
 def test_request_aborted_while_loading_saves_nothing_and_holds_nothing(deadline_sides):
     sides = deadline_sides
-    tokens = random_prompt(5, 300)
-    save_prompt(sides, "r1", tokens, list(range(0, 10)))
-    r = request("r2", tokens)
-    n, _ = sides.sched.get_num_new_matched_tokens(r, 0)
-    sides.sched.update_state_after_alloc(r, blocks(range(50, 60)), n)
+    r, n = promised(sides, 5, list(range(50, 60)))
     r.num_computed_tokens = n  # vLLM sets it at allocation, before the load lands
     # Nothing was loaded into a request that never ran: no hit is counted (nor recomputed).
     assert sides.sched.request_finished(r, (list(range(50, 60)),)) == \
