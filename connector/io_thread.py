@@ -77,7 +77,7 @@ class LoadQueue:
 
     One thread serves every request's loads. Taken in arrival order, a short load queued
     behind a long one waited out its whole deadline there and was recomputed with its
-    data in place (seen on the WEKA replay: loads of a few chunks behind one of 271).
+    data in place (seen on the WEKA replay: a load of 81 chunks behind one of 271).
     Taking the batch whose deadline comes first meets every deadline that any order
     would meet (EDF on one server, here at the grain of a batch), and the long load,
     whose deadline is long because recomputing it is, gives up only the short loads'
