@@ -44,8 +44,10 @@ if TYPE_CHECKING:  # kept out at run time: this module runs where only torch is 
     from kvtier.store.tiered import SessionHint, TieredStore
 
 log = logging.getLogger(__name__)
-PART_BYTES = 8 << 20  # a load batch is read in runs of about this size, at most LOADS at once
-LOADS = 4  # (each run is one batched call of the tiers; what arrived by the deadline counts)
+# A load batch with a deadline is read in runs of about this size, one after another (each
+# one batched call of the tiers): the runs in by the deadline count, so a late load keeps
+# the part of its hit that arrived.
+PART_BYTES = 8 << 20
 
 
 @dataclass
@@ -293,15 +295,17 @@ class IOThread:
                 part = self.store.load(keys, outs, where)
             else:
                 parts = -(-len(rest) * buf.stride // PART_BYTES)
-                outcome = self.store.load_within(keys, outs, where, job.deadline,
-                                                 min(LOADS, parts))
+                outcome = self.store.load_within(keys, outs, where, job.deadline, parts)
                 part, pending, late = outcome.lengths, outcome.pending, outcome.late
             for i, g in zip(rest, part):
                 got[i] = g
             ok = next((i for i, g in enumerate(got) if g != self.payload_len), n)
             rows = [i for i in rest if i < ok]  # a prefix of `rest`, all read
+            t0 = time.perf_counter()
             if rows:
                 self._scatter(buf, job, rows)
+            log.debug("kvtier: load %s: %d chunks read through staging, scattered in %.1f ms",
+                      job.req_id, len(rows), (time.perf_counter() - t0) * 1e3)
         finally:
             self.load_pool.release_after(buf, pending)
         return ok, late

@@ -3,14 +3,19 @@
 A request waiting on a load must never wait longer than recomputing its tokens would take.
 The tiers' own calls cannot be interrupted (a Mooncake transfer from a stalled lender
 returns when its transfer engine gives up, 30 s or more later), so `load_within` runs the
-load on a loader thread and, at the deadline, hands the caller `MISS` for every block and
-the still-running transfer: the caller must keep the out buffers away from any other use
-until that transfer is done (the connector releases its staging buffer from the
-transfer's completion). Each load runs on a thread of its own; one left past its deadline
-is lowered to the least CPU priority (a stuck transfer busy-waits inside Mooncake, and on
-a small host that would slow the very recompute that replaces it) and ends with its call.
-At most `STUCK_MAX` such threads live at once; beyond that a load fails at once (its
-blocks are recomputed).
+load on a loader thread and, at the deadline, hands the caller `MISS` for every block not
+in and the still-running transfer: the caller must keep the out buffers away from any other
+use until that transfer is done (the connector releases its staging buffer from the
+transfer's completion). A load in parts reads them one after another on its thread, each
+one batched call: what came in by the deadline is a prefix, the only part of a hit a
+request can use, and a part not started by then is never started. (Parts read at once
+were 1.7-1.9x slower over TCP on loopback: every Mooncake call busy-waits for its
+transfers, so four calls at once spin four threads beside the transfer engine's own; and a
+part after a late one was read for nothing.) A thread left past its deadline is lowered to
+the least CPU priority (a stuck transfer busy-waits inside Mooncake, and on a small host
+that would slow the very recompute that replaces it) and ends with its call. At most
+`STUCK_MAX` such threads live at once; beyond that a load fails at once (its blocks are
+recomputed).
 
 `expected_s` is what a load should take: one batched call per tier at the node's measured
 read rates (`store.rates`; a process that loads nothing re-reads the node's every
@@ -70,30 +75,32 @@ class DeadlineLoads:
                     where: Sequence[str | None] | None, deadline: float,
                     parts: int = 1) -> LoadOutcome:
         """Payload length per key or `MISS`, by `deadline` (`time.monotonic()`); see the
-        module docstring for `pending`. `parts` > 1 loads that many consecutive runs of the
-        keys at once: whatever runs are done by the deadline count (a slow lender costs the
-        runs behind it, not the ones before). Never raises for a tier's failure."""
+        module docstring for `pending`. `parts` > 1 reads that many consecutive runs of the
+        keys one after another: the runs done by the deadline count (a slow lender costs
+        the runs from its own on, not the ones before). A tier's error reaches the caller
+        (`TieredStore.load` itself never raises for one)."""
         n = len(keys)
         with self._lock:
             if self._closed or self._stuck >= STUCK_MAX:
                 return LoadOutcome([MISS] * n, (), ((0, n),))  # all stuck: recompute
         bounds = _split(n, parts)
-        runs = [_Run(self._load, keys[lo:hi], outs[lo:hi],
-                     None if where is None else where[lo:hi]) for lo, hi in bounds]
-        lengths, pending, late = [MISS] * n, [], []
-        for (lo, hi), run in zip(bounds, runs):
+        run = _Runs(self._load, [(keys[lo:hi], outs[lo:hi],
+                                  None if where is None else where[lo:hi])
+                                 for lo, hi in bounds])
+        lengths = [MISS] * n
+        for (lo, hi), fut in zip(bounds, run.futures):
             try:
-                lengths[lo:hi] = run.future.result(timeout=max(0.0,
-                                                               deadline - time.monotonic()))
+                lengths[lo:hi] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
-                late.append((lo, hi))
-                pending.append(run.future)
-                self._left_behind(run)
-        out = LoadOutcome(lengths, tuple(pending), tuple(late))
-        if late:
-            log.warning("a load of %d blocks passed its deadline: %d of them are recomputed "
-                        "(%d transfers left to finish on their own)", n, out.late, len(pending))
-        return out
+                pending = run.stop()
+                if pending:
+                    self._left_behind(run, pending)
+                out = LoadOutcome(lengths, pending, ((lo, n),))
+                log.warning("a load of %d blocks passed its deadline: %d of them are "
+                            "recomputed (%d transfers left to finish on their own)",
+                            n, out.late, len(pending))
+                return out
+        return LoadOutcome(lengths)
 
     def expected_s(self, tiers: Sequence[str | None], nbytes_each: int
                    ) -> tuple[float, bool]:
@@ -118,10 +125,10 @@ class DeadlineLoads:
         except KVTierError as e:  # planning goes on with the estimates it has
             log.debug("reading the node's load rates failed: %s", e)
 
-    def _left_behind(self, run: "_Run") -> None:
+    def _left_behind(self, run: "_Runs", pending: tuple[Future, ...]) -> None:
         with self._lock:
             self._stuck += 1
-        run.future.add_done_callback(self._unstuck)
+        pending[0].add_done_callback(self._unstuck)
         run.deprioritize()
 
     def _unstuck(self, _fut) -> None:
@@ -134,22 +141,43 @@ class DeadlineLoads:
             self._closed = True
 
 
-class _Run:
-    """One load on a daemon thread of its own, with its result as a `Future`."""
+class _Runs:
+    """Calls of one function, one after another on a daemon thread of their own, each
+    call's result a `Future`; `stop` keeps the calls not started from starting."""
 
-    def __init__(self, fn: Callable, *args):
-        self.future: Future = Future()
+    def __init__(self, fn: Callable, calls: list[tuple]):
+        self.futures: list[Future] = [Future() for _ in calls]
         self.tid: int | None = None
-        self._thread = threading.Thread(target=self._go, args=(fn, args), daemon=True,
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._go, args=(fn, calls), daemon=True,
                                         name="kvtier-load")
         self._thread.start()
 
-    def _go(self, fn: Callable, args) -> None:
+    def _go(self, fn: Callable, calls: list[tuple]) -> None:
         self.tid = threading.get_native_id()
-        try:
-            self.future.set_result(fn(*args))
-        except BaseException as e:  # handed to the waiter (or dropped, if it gave up)
-            self.future.set_exception(e)
+        for i, (fut, args) in enumerate(zip(self.futures, calls)):
+            with self._lock:
+                if self._stopped:
+                    break
+                fut.set_running_or_notify_cancel()
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to the waiter (or dropped, if it gave up)
+                fut.set_exception(e)
+                i += 1
+                break
+        else:
+            return
+        for fut in self.futures[i:]:  # never started: nothing writes into their buffers
+            fut.cancel()
+
+    def stop(self) -> tuple[Future, ...]:
+        """Start no more calls; the call still running (at most one), whose buffers it may
+        still write into."""
+        with self._lock:
+            self._stopped = True
+            return tuple(f for f in self.futures if f.running())
 
     def deprioritize(self) -> None:
         """Lower this thread to the least CPU priority (Linux: a nice value per thread)."""

@@ -50,6 +50,34 @@ def test_a_load_that_stalls_returns_at_its_deadline_and_hands_back_the_transfer(
     assert out.pending[0].result(5) == [100] * 4
 
 
+def test_parts_are_read_in_order_and_none_starts_after_the_deadline():
+    release = threading.Event()
+    calls = []
+
+    def load(keys, outs, where):
+        calls.append(keys[0])
+        if keys[0] == "k2":
+            release.wait(10)
+        return [100] * len(keys)
+
+    d = loads(load)
+    keys = [f"k{i}" for i in range(6)]  # six parts of one key; the third stalls
+    out = d.load_within(keys, [None] * 6, None, time.monotonic() + 0.2, parts=6)
+    assert out.lengths == [100, 100] + [MISS] * 4 and out.late == 4
+    assert len(out.pending) == 1  # the stalled part only: its buffers are still written
+    release.set()
+    out.pending[0].result(5)
+    time.sleep(0.1)  # the loader thread would start the next part now, if it were going to
+    assert calls == ["k0", "k1", "k2"]
+
+
+def test_a_load_with_every_part_in_time_hands_back_nothing():
+    d = loads(lambda keys, outs, where: [len(k) for k in keys])
+    out = d.load_within(["a", "bb", "ccc", "dddd"], [None] * 4, None,
+                        time.monotonic() + 5, parts=3)
+    assert out.lengths == [1, 2, 3, 4] and out.pending == () and out.late == 0
+
+
 def test_too_many_stuck_transfers_fail_later_loads_at_once():
     release = threading.Event()
     d = loads(lambda keys, outs, where: release.wait(10) and [1] * len(keys))
