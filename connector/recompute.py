@@ -20,6 +20,14 @@ nothing of how it splits between the terms, and an unanchored fit split it arbit
 predicted at 1.1 s that took 1.9 s, and loads cut by deadlines 40% too short). With the
 anchor, what the steps cannot separate stays at the slow prior.
 
+Until an engine has timed prefills of its own (`PREFILL_SHARE`), its prior is what an
+engine of the same model on this node measured, where one has (`adopt`; the scheduler
+shares `summary` through the index): an engine that only serves hits otherwise stays on
+the slow prior, and a load of its cut at a deadline set by that prior cost a request up to
+twice what the engine beside it took to compute the prompt cold (`kvtier bench serve`:
+every hit over 1.2x the median cold in four runs was such a cut, before the engine's first
+prefill of its own).
+
 A prediction also stays within what this engine has measured: never below the recent
 steps of no more work, never above those of no less (cost grows with both tokens and
 attention work, so a bigger step takes at least as long). Each bound is the median of a
@@ -68,6 +76,12 @@ GRACE = 2.0           # a load that starts late gets this many times its expecte
 PRIOR_STEPS = 1.0     # what the prior weighs, per term, in steps
 CLASS_STEPS = 5       # recent steps kept per size class for the measured bounds
 CLASS_MIN = 3         # steps of a class that must agree before it sets a bound
+# A prefill, for what an engine may share (`summary`): a step whose new tokens are at
+# least 1/PREFILL_SHARE of the step budget and of the context they follow (every chunk of
+# a prompt up to 8x the budget). Decode steps and the tails of hits (256 tokens after
+# 7,936 of context) fix a forward's fixed cost and its attention over a long context, not
+# its cost per token.
+PREFILL_SHARE = 8
 
 
 class RecomputeModel:
@@ -86,6 +100,7 @@ class RecomputeModel:
         self._medians: dict[tuple[int, int], float] = {}
         self._since_fit = 0
         self._fits = 0
+        self._prefills = 0  # steps seen that computed a prefill's share of the budget
         self._lock = threading.Lock()
 
     @staticmethod
@@ -107,6 +122,9 @@ class RecomputeModel:
             if len(self._rows) > WINDOW:
                 _add(self._sums, _terms(self._rows.popleft(), self._scale), -1.0)
             self._seen += 1
+            if (tokens * PREFILL_SHARE >= self.max_batch
+                    and attn <= tokens * tokens * (PREFILL_SHARE + 0.5)):
+                self._prefills += 1
             if self._seen % WINDOW == 0:  # no rounding carried over from the rows dropped
                 self._sums = [0.0] * 9
                 for old in self._rows:
@@ -127,6 +145,36 @@ class RecomputeModel:
             log.info("kvtier: prefill cost learned from %d steps: %s tokens recompute in "
                      "%.2f s, 16K in %.2f s", len(self._rows), self.max_batch,
                      self.predict(self.max_batch), self.predict(16384))
+
+    def summary(self) -> dict | None:
+        """This engine's fit, to share with engines of the same model on the node; None
+        until it has timed `CLASS_MIN` prefills of its own."""
+        with self._lock:
+            if self._prefills < CLASS_MIN:
+                return None
+            return {"coef": list(self._coef), "prefills": self._prefills}
+
+    def adopt(self, rows: Sequence[dict]) -> bool:
+        """Take as the prior the fit (a `summary`) of the engine that timed the most
+        prefills, while this one has timed fewer than `CLASS_MIN`; True if it did. The
+        steps this engine has seen keep their weight against it, as against any prior."""
+        best = max((r for r in rows if int(r.get("prefills", 0)) >= CLASS_MIN),
+                   key=lambda r: int(r["prefills"]), default=None)
+        if best is None:
+            return False
+        prior = tuple(float(x) for x in best["coef"])
+        if len(prior) != 3 or min(prior) < 0 or not (prior[1] > 0 or prior[2] > 0):
+            return False
+        with self._lock:
+            if self._prefills >= CLASS_MIN or prior == self._prior:
+                return False
+            self._prior, self._scale = prior, _scale(prior, self.max_batch)
+            self._sums = [0.0] * 9
+            for row in self._rows:
+                _add(self._sums, _terms(row, self._scale), 1.0)
+            self._coef = (_fit(self._sums, prior, self._scale)
+                          if len(self._rows) >= MIN_STEPS else prior)
+        return True
 
     def predict(self, tokens: int, ctx: int = 0) -> float:
         """Seconds to compute `tokens` tokens after `ctx` computed ones."""

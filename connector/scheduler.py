@@ -72,6 +72,7 @@ from kvtier.store.placement import PIN_S
 from kvtier.store.tiered import SessionHint
 
 log = logging.getLogger(__name__)
+SHARE_EVERY_S = 1.0  # how often an engine publishes, or looks for, the node's prefill model
 # A request vLLM keeps asking about renews its pins in the workers' stores this often (they
 # last `PIN_S` there).
 PIN_RENEW_S = PIN_S / 3
@@ -153,6 +154,10 @@ class SchedulerSide:
         self.deadlines = cfg.load_deadline
         self.budget = vllm_config.scheduler_config.max_num_batched_tokens
         self.recompute = RecomputeModel(cfg.prefill_tokens_per_s, self.budget)
+        # engines whose prefill costs are alike: one model, layout and parallelism
+        self._prefill_kind = f"{self.fp}/{self.world}"
+        self._prefill_shared = -SHARE_EVERY_S  # when the prefill model was last shared
+        self._prefill_published: dict | None = None
         self._settling: dict[str, dict[int, int]] = {}  # request -> rank -> chunks loaded
         self.tool_call_ids = detect_tool_call_ids(vllm_config.model_config) \
             if cfg.tool_call_token_ids == "auto" else frozenset(cfg.tool_call_token_ids)
@@ -446,6 +451,7 @@ class SchedulerSide:
         meta = getattr(output, "kv_connector_worker_meta", None)
         for tokens, attn, seconds in getattr(meta, "steps", ()):
             self.recompute.observe(tokens, attn, seconds)
+        self._share_prefill()
         for req_id, rank, chunks in getattr(meta, "settled", ()):
             ranks = self._settling.setdefault(req_id, {})
             ranks[rank] = chunks
@@ -455,6 +461,26 @@ class SchedulerSide:
             st = self.reqs.get(req_id)
             if st is not None and st.promises:
                 self._settle(st, min(ranks.values()))
+
+    def _share_prefill(self) -> None:
+        """Every `SHARE_EVERY_S`: publish this engine's prefill model once it has timed
+        prefills, or until then take the node's (`RecomputeModel.adopt`)."""
+        now = time.monotonic()
+        if now - self._prefill_shared < SHARE_EVERY_S:
+            return
+        self._prefill_shared = now
+        try:
+            mine = self.recompute.summary()
+            if mine is not None:
+                if mine != self._prefill_published:
+                    self.store.publish_prefill(self._prefill_kind, mine)
+                    self._prefill_published = mine
+            elif self.recompute.adopt(self.store.node_prefill(self._prefill_kind)):
+                log.info("kvtier: prefill cost taken from this node's engines of the same "
+                         "model until this one has timed its own: %d tokens recompute in "
+                         "%.2f s", self.budget, self.recompute.predict(self.budget))
+        except KVTierError as e:  # the index is busy or gone: plan with what we have
+            log.debug("kvtier: sharing the prefill model failed: %s", e)
 
     def _settle(self, st: _Req, loaded: int) -> None:
         """The oldest load job of `st` landed its first `loaded` chunks: those are hits, the

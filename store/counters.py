@@ -7,7 +7,11 @@ processes that exited stay, so sums are totals since the index was created.
 
 Beside them, in the same transaction, each process publishes what it measured of its tiers'
 read times (`store.rates`, one row per process, keyed `node_id/pid/start`), so a process that
-reads nothing itself (vLLM's scheduler) plans loads with what the node's workers saw.
+reads nothing itself (vLLM's scheduler) plans loads with what the node's workers saw. And
+each engine that has timed prefills publishes its prefill cost model (`PREFILL`, keyed by
+the engine's kind, then `node_id/pid/start`), so an engine that has computed none yet (one
+that has only served hits) gives its loads deadlines from what an engine of the same model
+on this node measured rather than from a guess.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from kvtier.store.base.index import Index
 
 TABLE = "counters"
 RATES = "load_rates"
+PREFILL = "prefill_cost"
 SELECTION = "selection"   # per process and tier: the candidate a tier follows, its shadows
 # the tiers' own counters, then the mover's per tier (`Copier.tier_counters`)
 SUMMED = ("hits", "misses", "corrupt", "errors", "puts", "deletes", "bytes_in", "bytes_out",
@@ -83,6 +88,26 @@ def read_rates(index: Index, newest: int = 64) -> list[dict[str, dict[str, float
         rows = [(k.decode().split("/"), v) for k, v in txn.rows(RATES)]
     rows.sort(key=lambda kv: int(kv[0][2]) if len(kv[0]) > 2 and kv[0][2].isdigit() else 0)
     return [json.loads(v) for _, v in rows[-newest:]]
+
+
+def write_prefill(index: Index, node_id: str, kind: str, row: dict) -> None:
+    """Publish this process's prefill cost model (`RecomputeModel.summary`) for engines of
+    `kind` (the model and its layout)."""
+    index.open_table(PREFILL)
+    key = f"{kind}/{node_id}/{os.getpid()}/{_START}".encode()
+    index.run_write(lambda txn: txn.put(PREFILL, key, json.dumps(
+        {**row, "updated": time.time()}).encode()))
+
+
+def read_prefill(index: Index, kind: str, newest: int = 16) -> list[dict]:
+    """The prefill cost models engines of `kind` published on this node, the `newest`
+    (by last update: rows of engines long gone stay, and say less of today's host)."""
+    if not index.open_table(PREFILL):
+        return []
+    with index.read() as txn:
+        rows = [json.loads(v) for _, v in txn.rows(PREFILL, f"{kind}/".encode())]
+    rows.sort(key=lambda r: r.get("updated", 0))
+    return rows[-newest:]
 
 
 def read_selection(index: Index) -> dict[str, dict]:

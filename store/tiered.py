@@ -20,7 +20,8 @@ Primitives (batched; a miss is a value):
   tiers do (a stalled lender, an expired lease): blocks not read by then are `MISS`, and the
   transfer still running is handed back, so the caller reuses `outs` only once it is done.
   `expected_load_s(tiers, nbytes)` is what a load should take (`store.rates`, learned from
-  this node's loads).
+  this node's loads); `publish_prefill` / `node_prefill` share what the node's engines
+  measured of their prefills (`store.counters`).
 
 Callers guarantee what the tier contract asks (sealed frames, big enough out buffers); a
 batch holding anything but well-formed keys is refused whole (ValueError), so no string
@@ -45,6 +46,7 @@ from kvtier.store.base.errors import TierError, TierUnavailableError
 from kvtier.store.base.index import Index
 from kvtier.store.base.keys import check_keys
 from kvtier.store.base.repeats import thin
+from kvtier.store.counters import read_prefill, write_prefill
 from kvtier.store.mover import Mover
 from kvtier.store.placement import Placement
 from kvtier.store.deadline import DeadlineLoads, LoadOutcome
@@ -249,6 +251,14 @@ class TieredStore:
         for name, late_keys in late.items():
             self.by_name[name].blame_late(late_keys)
         return out
+
+    def publish_prefill(self, kind: str, row: dict) -> None:
+        """Record this engine's prefill cost model for engines of `kind` on this node."""
+        write_prefill(self.index, self.node_id, kind, row)
+
+    def node_prefill(self, kind: str) -> list[dict]:
+        """The prefill cost models this node's engines of `kind` published, oldest first."""
+        return read_prefill(self.index, kind)
 
     def lender_failures(self) -> dict[str, int]:
         """Blocks whose load failed or came late, by lender, over this process's tiers."""

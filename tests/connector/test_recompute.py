@@ -206,3 +206,50 @@ def test_the_fit_kept_step_by_step_is_the_fit_of_the_last_window_of_steps():
     assert kept != pytest.approx(fit_of(rows[: rc.WINDOW // 2]), rel=1e-3)
     assert model.predict(8192) == pytest.approx(0.004 + 2e-5 * 8192 + 1e-9 * 8192 * 4096,
                                                 rel=0.15)
+
+
+def hits_only(model: RecomputeModel, a: float, b: float, c: float, n: int = 40) -> None:
+    """Steps of an engine that only serves hits: a short tail after a long context each."""
+    rng = random.Random(1)
+    for _ in range(n):
+        tokens, attn = RecomputeModel.step_features([(256 - rng.randrange(3), 7936)])
+        model.observe(tokens, attn, (a + b * tokens + c * attn) * rng.uniform(0.95, 1.05))
+
+
+def test_an_engine_without_prefills_takes_the_prefill_cost_of_one_that_timed_them():
+    truth = (0.004, 40e-6, 1e-9)
+    cold = RecomputeModel(prior_tokens_per_s=2000, max_batch_tokens=8192)
+    engine_steps(cold, *truth, n=64, noise=0.0)   # the engine beside it computes prompts,
+    for c in range(0, 8192, 2048):                # in chunks of 2048, as vLLM does
+        tokens, attn = RecomputeModel.step_features([(2048, c)])
+        cold.observe(tokens, attn, truth[0] + truth[1] * tokens + truth[2] * attn)
+    shared = cold.summary()
+    assert shared is not None and shared["prefills"] >= 3
+    hits = RecomputeModel(prior_tokens_per_s=2000, max_batch_tokens=8192)
+    hits_only(hits, *truth)
+    assert hits.summary() is None                 # nothing of its own to share
+    small = RecomputeModel(max_batch_tokens=2048)  # its tails are an eighth of the budget,
+    hits_only(small, *truth)                       # but each follows 31x its own tokens
+    assert small.summary() is None
+    want = truth[0] + truth[1] * 8192 + truth[2] * 8192 * 4096
+    assert hits.predict(8192) > 1.4 * want        # pulled toward the slow prior (4.1 s)
+    assert hits.adopt([{"coef": [0.1, 1e-3, 0.0], "prefills": 1}, shared])
+    assert hits.predict(8192) == pytest.approx(want, rel=0.2)
+    assert hits.predict(256, 7936) == pytest.approx(  # its own steps still count
+        truth[0] + truth[1] * 256 + truth[2] * 256 * (7936 + 128), rel=0.15)
+
+
+def test_an_engine_with_prefills_of_its_own_keeps_its_own_model():
+    own = RecomputeModel(max_batch_tokens=8192)
+    engine_steps(own, 0.004, 40e-6, 0.0, noise=0.0)
+    for n in (2048, 4096, 8192):
+        tokens, attn = RecomputeModel.step_features([(n, 0)])
+        own.observe(tokens, attn, 0.004 + 40e-6 * tokens)
+    before = own.predict(8192)
+    assert not own.adopt([{"coef": [0.001, 1e-6, 0.0], "prefills": 500}])
+    assert own.predict(8192) == before
+    fresh = RecomputeModel(max_batch_tokens=8192)  # nothing measured beside it: no change
+    assert not fresh.adopt([{"coef": [0.001, 1e-6, 0.0], "prefills": 2},
+                            {"coef": [0.0, 0.0, 0.0], "prefills": 9},
+                            {"coef": [-1.0, 1e-6, 0.0], "prefills": 9}])
+    assert fresh.predict(8192) == pytest.approx(0.002 + 8192 / 2000)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 
 from kvtier.store.base.index import Index
-from kvtier.store.counters import read_counters, write_counters
+from kvtier.store.counters import read_counters, read_prefill, write_counters, write_prefill
 
 
 def _write(path, node, hits):
@@ -35,3 +35,26 @@ def test_counters_sum_over_processes_and_survive_them(tmp_path):
 def test_no_counters_yet_reads_empty(tmp_path):
     Index(tmp_path / "ix").close()
     assert read_counters(Index(tmp_path / "ix", readonly=True, recover=False)) == {}
+
+
+def _publish(path, kind, node, prefills):
+    ix = Index(path)
+    write_prefill(ix, node, kind, {"coef": [0.004, 4e-5, 0.0], "prefills": prefills})
+    ix.close()
+
+
+def test_prefill_models_are_shared_between_processes_per_kind_of_engine(tmp_path):
+    path = tmp_path / "ix"
+    Index(path).close()
+    assert read_prefill(Index(path, readonly=True, recover=False), "fp/1") == []
+    ctx = mp.get_context("spawn")
+    jobs = [("fp/1", "a", 5), ("fp/1", "b", 9), ("fp/2", "c", 50), ("fp/10", "d", 70)]
+    for args in jobs:  # one after another: rows read back oldest first
+        p = ctx.Process(target=_publish, args=(path, *args))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0
+    ix = Index(path, readonly=True, recover=False)
+    rows = read_prefill(ix, "fp/1")
+    assert [r["prefills"] for r in rows] == [5, 9]  # not fp/2's, nor fp/10's
+    assert rows[0]["coef"] == [0.004, 4e-5, 0.0] and rows[0]["updated"] <= rows[1]["updated"]
