@@ -72,7 +72,8 @@ from kvtier.store.placement import PIN_S
 from kvtier.store.tiered import SessionHint
 
 log = logging.getLogger(__name__)
-SHARE_EVERY_S = 1.0  # how often an engine publishes, or looks for, the node's prefill model
+SHARE_EVERY_S = 1.0  # how often an engine without prefills looks for the node's model
+PUBLISH_EVERY_S = 10.0  # how often an engine republishes its own (each an index write)
 # A request vLLM keeps asking about renews its pins in the workers' stores this often (they
 # last `PIN_S` there).
 PIN_RENEW_S = PIN_S / 3
@@ -156,8 +157,8 @@ class SchedulerSide:
         self.recompute = RecomputeModel(cfg.prefill_tokens_per_s, self.budget)
         # engines whose prefill costs are alike: one model, layout and parallelism
         self._prefill_kind = f"{self.fp}/{self.world}"
-        self._prefill_shared = -SHARE_EVERY_S  # when the prefill model was last shared
-        self._prefill_published: dict | None = None
+        self._prefill_shared = -SHARE_EVERY_S  # when the node's prefill model was last read
+        self._prefill_published: float | None = None  # when this engine's was last written
         self._settling: dict[str, dict[int, int]] = {}  # request -> rank -> chunks loaded
         self.tool_call_ids = detect_tool_call_ids(vllm_config.model_config) \
             if cfg.tool_call_token_ids == "auto" else frozenset(cfg.tool_call_token_ids)
@@ -463,8 +464,9 @@ class SchedulerSide:
                 self._settle(st, min(ranks.values()))
 
     def _share_prefill(self) -> None:
-        """Every `SHARE_EVERY_S`: publish this engine's prefill model once it has timed
-        prefills, or until then take the node's (`RecomputeModel.adopt`)."""
+        """Publish this engine's prefill model once it has timed prefills (then every
+        `PUBLISH_EVERY_S`), and until then take the node's every `SHARE_EVERY_S`
+        (`RecomputeModel.adopt`)."""
         now = time.monotonic()
         if now - self._prefill_shared < SHARE_EVERY_S:
             return
@@ -472,9 +474,10 @@ class SchedulerSide:
         try:
             mine = self.recompute.summary()
             if mine is not None:
-                if mine != self._prefill_published:
+                last = self._prefill_published
+                if last is None or now - last >= PUBLISH_EVERY_S:
                     self.store.publish_prefill(self._prefill_kind, mine)
-                    self._prefill_published = mine
+                    self._prefill_published = now
             elif self.recompute.adopt(self.store.node_prefill(self._prefill_kind)):
                 log.info("kvtier: prefill cost taken from this node's engines of the same "
                          "model until this one has timed its own: %d tokens recompute in "

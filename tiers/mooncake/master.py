@@ -244,6 +244,7 @@ class EmbeddedMaster(ChildProcess):
                 self._wait_ready()
                 return self
             except MasterError:
+                self.stop()  # exited, or never ready: either way not ours to keep
                 picked = [self.metrics_port] + ([self.rpc_port] if pick_rpc else [])
                 if attempt == PORT_ATTEMPTS or not self._port_taken(log_start, picked):
                     raise
@@ -257,7 +258,6 @@ class EmbeddedMaster(ChildProcess):
 
     def _port_taken(self, log_start: int, ports: list[int]) -> bool:
         """True if this start's log says one of `ports` was in use (no log: cannot tell)."""
-        self.stop()
         if not self.log_path:
             return False
         try:
