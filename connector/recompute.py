@@ -100,7 +100,7 @@ class RecomputeModel:
         self._medians: dict[tuple[int, int], float] = {}
         self._since_fit = 0
         self._fits = 0
-        self._prefills = 0  # steps seen that computed a prefill's share of the budget
+        self._prefills = 0  # steps seen that were prefills (`PREFILL_SHARE`)
         self._lock = threading.Lock()
 
     @staticmethod
