@@ -126,9 +126,7 @@ class RecomputeModel:
                     and attn <= tokens * tokens * (PREFILL_SHARE + 0.5)):
                 self._prefills += 1
             if self._seen % WINDOW == 0:  # no rounding carried over from the rows dropped
-                self._sums = [0.0] * 9
-                for old in self._rows:
-                    _add(self._sums, _terms(old, self._scale), 1.0)
+                self._resum()
             size = _size_class(tokens, attn)
             steps = self._classes.setdefault(size, deque(maxlen=CLASS_STEPS))
             steps.append((tokens, attn, seconds))
@@ -169,12 +167,16 @@ class RecomputeModel:
             if self._prefills >= CLASS_MIN or prior == self._prior:
                 return False
             self._prior, self._scale = prior, _scale(prior, self.max_batch)
-            self._sums = [0.0] * 9
-            for row in self._rows:
-                _add(self._sums, _terms(row, self._scale), 1.0)
+            self._resum()
             self._coef = (_fit(self._sums, prior, self._scale)
                           if len(self._rows) >= MIN_STEPS else prior)
         return True
+
+    def _resum(self) -> None:
+        """The fit's normal equations afresh from the window's steps (lock held)."""
+        self._sums = [0.0] * 9
+        for row in self._rows:
+            _add(self._sums, _terms(row, self._scale), 1.0)
 
     def predict(self, tokens: int, ctx: int = 0) -> float:
         """Seconds to compute `tokens` tokens after `ctx` computed ones."""
