@@ -156,7 +156,7 @@ class _Runs:
 
     def _go(self, fn: Callable, calls: list[tuple]) -> None:
         self.tid = threading.get_native_id()
-        for i, (fut, args) in enumerate(zip(self.futures, calls)):
+        for fut, args in zip(self.futures, calls):
             with self._lock:
                 if self._stopped:
                     break
@@ -165,12 +165,9 @@ class _Runs:
                 fut.set_result(fn(*args))
             except BaseException as e:  # handed to the waiter (or dropped, if it gave up)
                 fut.set_exception(e)
-                i += 1
                 break
-        else:
-            return
-        for fut in self.futures[i:]:  # never started: nothing writes into their buffers
-            fut.cancel()
+        for fut in self.futures:  # those never started (a done one ignores the cancel):
+            fut.cancel()          # nothing writes into their buffers
 
     def stop(self) -> tuple[Future, ...]:
         """Start no more calls; the call still running (at most one), whose buffers it may
