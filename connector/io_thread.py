@@ -301,11 +301,11 @@ class IOThread:
                 got[i] = g
             ok = next((i for i, g in enumerate(got) if g != self.payload_len), n)
             rows = [i for i in rest if i < ok]  # a prefix of `rest`, all read
-            t0 = time.perf_counter()
             if rows:
+                t0 = time.perf_counter()
                 self._scatter(buf, job, rows)
-            log.debug("kvtier: load %s: %d chunks read through staging, scattered in %.1f ms",
-                      job.req_id, len(rows), (time.perf_counter() - t0) * 1e3)
+                log.debug("kvtier: load %s: %d chunks read through staging, scattered in "
+                          "%.1f ms", job.req_id, len(rows), (time.perf_counter() - t0) * 1e3)
         finally:
             self.load_pool.release_after(buf, pending)
         return ok, late

@@ -158,7 +158,7 @@ class SchedulerSide:
         # engines whose prefill costs are alike: one model, layout and parallelism
         self._prefill_kind = f"{self.fp}/{self.world}"
         self._prefill_shared = -SHARE_EVERY_S  # when the node's prefill model was last read
-        self._prefill_published: float | None = None  # when this engine's was last written
+        self._prefill_published = -PUBLISH_EVERY_S  # when this engine's was last written
         self._settling: dict[str, dict[int, int]] = {}  # request -> rank -> chunks loaded
         self.tool_call_ids = detect_tool_call_ids(vllm_config.model_config) \
             if cfg.tool_call_token_ids == "auto" else frozenset(cfg.tool_call_token_ids)
@@ -474,8 +474,7 @@ class SchedulerSide:
         try:
             mine = self.recompute.summary()
             if mine is not None:
-                last = self._prefill_published
-                if last is None or now - last >= PUBLISH_EVERY_S:
+                if now - self._prefill_published >= PUBLISH_EVERY_S:
                     self.store.publish_prefill(self._prefill_kind, mine)
                     self._prefill_published = now
             elif self.recompute.adopt(self.store.node_prefill(self._prefill_kind)):
