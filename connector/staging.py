@@ -54,6 +54,14 @@ class FrameBuffer:
         """Frame i of the host buffer (writable, page aligned)."""
         return self._mv[i * self.stride:(i + 1) * self.stride]
 
+    def populate(self) -> None:
+        """Map in every page of the host buffer now, so its first use pays no page faults
+        (pinned CUDA memory is mapped in when it is pinned)."""
+        if self.mirrored:
+            return
+        if not block.populate(self.host.data_ptr(), self.host.numel(), write=True):
+            self.host[::PAGE] = 0  # an older kernel: one write per page (the buffer is unused)
+
     @property
     def mirrored(self) -> bool:
         return self.device_view is not self.host
@@ -97,10 +105,37 @@ class StagingPool:
             if self._free:
                 return self._free.pop()
             self._created += 1
-        buf = FrameBuffer(self.capacity, self.stride, self.device, self.alloc)
-        if self.on_new is not None:
-            self.on_new(buf)
-        return buf
+        return self._new()
+
+    def warm(self, n: int) -> int:
+        """Make up to `n` buffers now, their pages mapped in and `on_new` run (a tier's
+        registration), so the first saves and loads do not pay for either; returns how
+        many it made. Meant for a thread of its own at start: an `acquire` meanwhile takes
+        a free buffer, makes another within `max_buffers`, or waits for one being made."""
+        made = 0
+        for _ in range(n):
+            with self._cond:
+                if self._created >= self.max_buffers:
+                    break
+                self._created += 1
+            buf = self._new()
+            buf.populate()
+            self.release(buf)
+            made += 1
+        return made
+
+    def _new(self) -> FrameBuffer:
+        """A new buffer for a slot already counted in `_created` (given back if it fails)."""
+        try:
+            buf = FrameBuffer(self.capacity, self.stride, self.device, self.alloc)
+            if self.on_new is not None:
+                self.on_new(buf)
+            return buf
+        except BaseException:
+            with self._cond:
+                self._created -= 1
+                self._cond.notify()
+            raise
 
     def release(self, buf: FrameBuffer) -> None:
         with self._cond:

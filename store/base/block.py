@@ -12,6 +12,7 @@ frames whole. No pickle: the format is fixed binary.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import struct
 from collections.abc import Iterable
@@ -58,6 +59,24 @@ def frame_size(payload_len: int, align: int = 1) -> int:
 def alloc_aligned(nbytes: int) -> memoryview:
     """A zeroed, page-aligned, writable buffer (usable for O_DIRECT and registration)."""
     return memoryview(mmap.mmap(-1, max(PAGE, -(-nbytes // PAGE) * PAGE)))
+
+
+MADV_POPULATE_READ = 22   # Linux 5.14+; Python's mmap module does not name them
+MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_madvise.restype = ctypes.c_int
+
+
+def populate(addr: int, nbytes: int, write: bool) -> bool:
+    """Map in every page of [addr, addr + nbytes) now (for writing, or only reading), so
+    the first copy into or out of them does not pay a page fault per page (a fresh 64 MiB
+    buffer's first copy took 7-8x its later ones). False where the kernel cannot (before
+    5.14): the pages are then mapped in as they are first touched. Through ctypes, which
+    lets go of the GIL for the call (Python's own madvise holds it)."""
+    advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+    return nbytes <= 0 or _madvise(addr, nbytes, advice) == 0
 
 
 def payload_checksum(payload: memoryview | bytes) -> int:

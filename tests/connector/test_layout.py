@@ -8,6 +8,8 @@ must give byte-identical payloads, and scattering them into any other layout mus
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -214,3 +216,42 @@ def test_staging_pool_reuses_and_bounds():
     assert len(frame) == block.PAGE and not buf.mirrored
     frame[:4] = b"KVTB"  # frames are views of the buffer the gather writes
     assert bytes(buf.host[block.PAGE:block.PAGE + 4].numpy()) == b"KVTB"
+
+
+def _resident_pages(buf: FrameBuffer) -> int:
+    """Pages of the buffer's host memory mapped in now (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    n = buf.host.numel()
+    vec = ctypes.create_string_buffer(n // block.PAGE)
+    assert libc.mincore(buf.host.data_ptr(), n, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw)
+
+
+def test_staging_pool_warm_makes_buffers_mapped_in_and_registered():
+    made = []
+    pool = StagingPool(64, block.PAGE, torch.device("cpu"), max_buffers=2, on_new=made.append)
+    cold = pool.acquire()
+    assert _resident_pages(cold) == 0  # a buffer made on first use has no page yet
+    pool.release(cold)
+    assert pool.warm(3) == 1  # one more fits under max_buffers
+    assert len(made) == 2 and pool.in_use == 0
+    warm = made[1]
+    assert _resident_pages(warm) == 64
+    assert {id(pool.acquire()), id(pool.acquire())} == {id(cold), id(warm)}
+    assert pool.warm(1) == 0
+
+
+def test_staging_pool_gives_back_the_slot_of_a_buffer_it_could_not_make():
+    fail = [True]
+
+    def register(_buf):
+        if fail[0]:
+            raise RuntimeError("registration refused")
+    pool = StagingPool(1, block.PAGE, torch.device("cpu"), max_buffers=1, on_new=register)
+    with pytest.raises(RuntimeError, match="registration refused"):
+        pool.warm(1)
+    with pytest.raises(RuntimeError, match="registration refused"):
+        pool.acquire(timeout_s=1)
+    fail[0] = False
+    assert pool.acquire(timeout_s=1) is not None and pool.in_use == 1

@@ -30,7 +30,6 @@ does; a frame that fails is read again through Mooncake, never quarantined from 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
@@ -42,13 +41,13 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.store.base.block import populate
 from kvtier.store.base.errors import TierUnavailableError
 from kvtier.store.base.index_record import owner_alive
 from kvtier.tiers.mooncake.hostname import host_of
 
 PREFIX = "kvtier-seg-"
 _NAME = re.compile(r"^kvtier-seg-(.+)_(\d+)-([0-9a-f]+)-(\d+)\.mem$")
-MADV_POPULATE_READ = 22  # Linux's value; Python's mmap module does not name it
 POPULATE_PIECE = 64 << 20  # a closing mapping stops its population between pieces
 RESCAN_S = 1.0  # an unknown endpoint makes a reader list the directory at most this often
 REFRESH_S = 10.0  # and mappings of files gone (lenders that stopped) are dropped this often
@@ -244,9 +243,7 @@ class _Mapped:
             for off in range(0, size, POPULATE_PIECE):
                 if self._closing.is_set():
                     return
-                # through ctypes, which lets go of the GIL for the call (Python's madvise
-                # holds it)
-                if _madvise(addr + off, min(POPULATE_PIECE, size - off), MADV_POPULATE_READ):
+                if not populate(addr + off, min(POPULATE_PIECE, size - off), write=False):
                     return  # an older kernel: pages are faulted in as they are read
         finally:
             del arr
@@ -261,8 +258,3 @@ class _Mapped:
             # reference
             pass
 
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_madvise = _libc.madvise
-_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_madvise.restype = ctypes.c_int
