@@ -119,8 +119,10 @@ class StagingPool:
                     break
                 self._created += 1
             buf = self._new()
-            buf.populate()
-            self.release(buf)
+            try:
+                buf.populate()
+            finally:  # mapped in or not, the buffer is there to use
+                self.release(buf)
             made += 1
         return made
 

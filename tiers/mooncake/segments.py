@@ -257,4 +257,3 @@ class _Mapped:
         except BufferError:  # a read or the population still uses it: it goes with the last
             # reference
             pass
-
