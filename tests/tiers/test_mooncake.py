@@ -718,6 +718,37 @@ def test_segment_mappings_follow_their_files(tmp_path, monkeypatch):
     segs.close()
 
 
+def test_map_all_maps_this_hosts_lenders_before_any_read(tmp_path):
+    """An engine maps its node's lenders when it opens the tier, not at its first hit."""
+    from kvtier.tiers.mooncake import segments as mooncake_files
+    for endpoint, fill in (("127.0.0.1:7000", b"a"), ("127.0.0.1:7001", b"b"),
+                           ("198.18.0.3:7000", b"c")):
+        (tmp_path / mooncake_files.file_name(endpoint, 0x1000, os.getpid())).write_bytes(
+            fill * 4096)
+    segs = mooncake_files.Segments(tmp_path, "127.0.0.1")
+    assert segs.map_all() == 2 and segs.mapped == 2  # another host's file stays unmapped
+    assert set(segs._maps) == {"127.0.0.1:7000", "127.0.0.1:7001"}
+    view, _ = segs.view("127.0.0.1:7001")
+    assert bytes(view[:1]) == b"b" and segs.mapped == 2  # the read maps nothing more
+    assert segs.map_all() == 0
+    del view
+    segs.close()
+    assert mooncake_files.Segments(tmp_path, None).map_all() == 0
+
+
+def test_a_lending_tier_maps_the_nodes_segment_files_at_open(lent_file, tmp_path):
+    lender, reader, files = lent_file
+    assert lender.segments.mapped == 1   # its own file, before any read
+    assert reader.segments.mapped == 0   # a process that lends nothing maps on first read
+    master_address = lender.ctx.master.address
+    second = open_pool(tmp_path / "c", master_address, capacity="16MiB", staging="8MiB",
+                       segment_dir=str(files))
+    try:
+        assert second.segments.mapped == 2  # the first lender's file and its own
+    finally:
+        second.close()
+
+
 def _resident_kib(path: Path) -> int:
     """Kilobytes of `path`'s mapping in this process's page tables (smaps `Rss`)."""
     lines = Path("/proc/self/smaps").read_text().splitlines()

@@ -15,11 +15,13 @@ transport endpoint (what replica descriptors name) and `<base>` the address of i
 in the lender (a block lies at `buffer_address - base`). The lender learns its endpoint from
 a probe object it puts in its own segment right after the mount.
 
-A reader maps each lender's file once and keeps the mapping. A page read for the first
-time through a mapping costs a page fault (a fresh 16 MiB read took ~10 ms against ~2 once
-mapped), so a thread maps every page of a new mapping right away, in the background
-(`MADV_POPULATE_READ`, Linux 5.14+; older kernels fault pages in as they are read). This
-costs the reader page tables of ~2 MiB per GiB of segment, and ~0.4 s of CPU per GiB, once.
+A reader maps each lender's file once and keeps the mapping; an engine maps those of the
+lenders already there when it opens the tier, so its first hit from each does not wait for
+it. A page read for the first time through a mapping costs a page fault (a fresh 16 MiB
+read took ~10 ms against ~2 once mapped), so a thread maps every page of a new mapping
+right away, in the background (`MADV_POPULATE_READ`, Linux 5.14+; older kernels fault
+pages in as they are read). This costs the reader page tables of ~2 MiB per GiB of segment,
+and ~0.4 s of CPU per GiB, once.
 
 Files belong to their lender's life: it unlinks its file at close; a file whose lender died
 (a crash) is removed by the next lender of the node that starts (`sweep`). The whole size is
@@ -138,7 +140,8 @@ class LentFile:
 
 
 class Segments:
-    """The segment files of this node's lenders, mapped read-only on first use. Thread-safe.
+    """The segment files of this node's lenders, mapped read-only on first use, or all at
+    once by `map_all` (an engine's tier, when it opens). Thread-safe.
 
     Only lenders that announce this host (`host`, the reader's own announced address) are
     read from files: `segment_dir` may be a directory several hosts see (a shared /dev/shm
@@ -181,6 +184,25 @@ class Segments:
                 self.mapped += 1
                 self._maps[endpoint] = got
             return got.view, got.base
+
+    def map_all(self) -> int:
+        """Map the files of every lender of this host now (their pages are mapped in by
+        background threads), so that the first read from each does not pay for the mapping;
+        returns how many it mapped. A lender that starts later is mapped at its first read."""
+        if self.host is None:
+            return 0
+        with self._lock:
+            self._list()
+            made = 0
+            for endpoint, name in self._names.items():
+                if endpoint in self._maps or host_of(endpoint) != self.host:
+                    continue
+                got = self._map(name)
+                if got is not None:
+                    self._maps[endpoint] = got
+                    self.mapped += 1
+                    made += 1
+            return made
 
     def recheck(self) -> None:
         """A mapping served a bad frame: list the directory at the next read, which drops

@@ -101,6 +101,9 @@ class MooncakeTier(Tier):
         # Other processes' segments of this node, read straight from their files.
         self.segments = (Segments(cfg.segment_dir, self.client.hostname)
                          if cfg.segment_dir else None)
+        if self.segments is not None and ctx.lend:
+            # an engine's worker reads from its node's lenders: map them before its first hit
+            self.segments.map_all()
 
     @property
     def staging(self) -> memoryview:
