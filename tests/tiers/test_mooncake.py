@@ -740,6 +740,10 @@ def test_a_lending_tier_maps_the_nodes_segment_files_at_open(lent_file, tmp_path
     lender, reader, files = lent_file
     assert lender.segments.mapped == 1   # its own file, before any read
     assert reader.segments.mapped == 0   # a process that lends nothing maps on first read
+    filled = lender.client._handle.lent._filler  # the lender zeroes its file while it starts
+    assert filled is not None
+    filled.join(30)
+    assert not filled.is_alive()
     master_address = lender.ctx.master.address
     second = open_pool(tmp_path / "c", master_address, capacity="16MiB", staging="8MiB",
                        segment_dir=str(files))
@@ -747,6 +751,39 @@ def test_a_lending_tier_maps_the_nodes_segment_files_at_open(lent_file, tmp_path
         assert second.segments.mapped == 2  # the first lender's file and its own
     finally:
         second.close()
+
+
+def test_a_lent_file_has_its_pages_zeroed_by_its_lender(tmp_path):
+    """tmpfs zeroes an allocated page at its first fault, whoever takes it: the lender takes
+    them all on a thread, not its first saves nor a reader's first mapping."""
+    import mmap
+    import numpy as np
+    from kvtier.tiers.mooncake import segments as mooncake_files
+    shm = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{tmp_path.name}"
+    size = 32 << 20
+    try:
+        lent = mooncake_files.LentFile(shm, size, "dram")
+        stopped = mooncake_files.LentFile(shm, size, "dram")
+        stopped.stop_fill()  # never filled: nothing to end
+        maps = []
+        for each in (lent, stopped):
+            with open(each.path, "r+b") as f:
+                maps.append(mmap.mmap(f.fileno(), size))  # as Mooncake's mount maps it
+        arrays = [np.frombuffer(mm, dtype=np.uint8) for mm in maps]
+        assert _resident_kib(lent.path) == 0
+        lent.fill(arrays[0].ctypes.data)
+        lent._filler.join(30)
+        assert _resident_kib(lent.path) == size >> 10  # every page, none of them written
+        lent.stop_fill()
+        stopped._stop_fill.set()  # as a close right after the mount
+        stopped.fill(arrays[1].ctypes.data)
+        stopped.stop_fill()
+        assert _resident_kib(stopped.path) == 0
+        del arrays
+        for mm in maps:
+            mm.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def _resident_kib(path: Path) -> int:

@@ -122,6 +122,8 @@ class _Handle:
         """Close the client once no call runs on it (at most `timeout_s` from now)."""
         with self.cv:
             self.cv.wait_for(lambda: self.active == 0, timeout_s)
+        if self.lent is not None:
+            self.lent.stop_fill()
         self.store.close()
         if self.lent is not None:
             self.lent.remove()
@@ -228,6 +230,7 @@ class MooncakeClient:
                     f"(code {got.get('ret')}) at {self._where()}; check the master's log")
             base = lent.base()
             lent.publish(self._own_endpoint(store, base), base)
+            lent.fill(base)
         except BaseException:
             store.close()
             lent.remove()
