@@ -25,7 +25,6 @@ read rates (`store.rates`; a process that loads nothing re-reads the node's ever
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -35,6 +34,7 @@ from typing import Callable, Sequence
 
 from kvtier.store.base.errors import KVTierError
 from kvtier.store.base.index import Index
+from kvtier.store.base.priority import deprioritize
 from kvtier.store.base.repeats import thin
 from kvtier.store.counters import read_rates
 from kvtier.store.rates import LoadRates
@@ -43,7 +43,6 @@ from kvtier.tiers.base import MISS
 log = thin(logging.getLogger(__name__))  # a tier away: one line per message per 10 s
 STUCK_MAX = 8
 RATES_REFRESH_S = 5.0
-LEAST_PRIORITY = 19  # nice value of a thread left behind by its deadline
 
 
 @dataclass(frozen=True)
@@ -178,12 +177,8 @@ class _Runs:
 
     def deprioritize(self) -> None:
         """Lower this thread to the least CPU priority (Linux: a nice value per thread)."""
-        if self.tid is None or not hasattr(os, "setpriority"):
-            return
-        try:
-            os.setpriority(os.PRIO_PROCESS, self.tid, LEAST_PRIORITY)
-        except OSError:  # gone already, or not allowed: it only costs CPU until it ends
-            pass
+        if self.tid is not None:
+            deprioritize(self.tid)
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:

@@ -133,3 +133,21 @@ def test_a_used_payload_passes_only_under_its_own_header():
     torn[40] ^= 1
     with pytest.raises(CorruptBlockError, match="header checksum"):
         block.verify_used(bytes(torn), KEY, len(payload), good)
+
+
+def test_deprioritize_lowers_only_the_calling_thread():
+    """Background work (a segment's zeroing, a late transfer) yields the CPU to the rest."""
+    import os
+    import threading
+    from kvtier.store.base.priority import LEAST_PRIORITY, deprioritize
+    seen = []
+
+    def body() -> None:
+        deprioritize()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(10)
+    assert seen == [LEAST_PRIORITY]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != LEAST_PRIORITY
+    deprioritize(2 ** 22 + 12345)  # no such thread: nothing happens

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.store.base.block import populate
+from kvtier.store.base.priority import deprioritize
 from kvtier.store.base.errors import TierUnavailableError
 from kvtier.store.base.index_record import owner_alive
 from kvtier.tiers.mooncake.hostname import host_of
@@ -144,6 +145,7 @@ class LentFile:
         self._filler.start()
 
     def _fill(self, base: int, stop: threading.Event) -> None:
+        deprioritize()  # a prefill meanwhile goes first; a save zeroes what it reaches first
         for off in range(0, self.size, POPULATE_PIECE):
             if stop.is_set() or not populate(base + off, min(POPULATE_PIECE, self.size - off),
                                              write=True):
@@ -284,6 +286,7 @@ class _Mapped:
         threading.Thread(target=self._populate, name="kvtier-seg-populate", daemon=True).start()
 
     def _populate(self) -> None:
+        deprioritize()  # a read meanwhile faults in what it needs itself
         # The array holds the mapping open until this ends (close then leaves it to GC).
         arr = np.frombuffer(self.mm, dtype=np.uint8)
         try:
