@@ -21,7 +21,8 @@ it. A page read for the first time through a mapping costs a page fault (a fresh
 read took ~10 ms against ~2 once mapped), so a thread maps every page of a new mapping
 right away, in the background (`MADV_POPULATE_READ`, Linux 5.14+; older kernels fault
 pages in as they are read). This costs the reader page tables of ~2 MiB per GiB of segment,
-and ~0.4 s of CPU per GiB, once.
+and ~0.1 s of CPU per GiB, once: the lender has zeroed its file's pages itself as it
+started (`LentFile.fill`; a reader that maps them first zeroes them, ~0.6 s per GiB).
 
 Files belong to their lender's life: it unlinks its file at close; a file whose lender died
 (a crash) is removed by the next lender of the node that starts (`sweep`). The whole size is
@@ -44,9 +45,9 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.store.base.block import populate
-from kvtier.store.base.priority import deprioritize
 from kvtier.store.base.errors import TierUnavailableError
 from kvtier.store.base.index_record import owner_alive
+from kvtier.store.base.priority import deprioritize
 from kvtier.tiers.mooncake.hostname import host_of
 
 PREFIX = "kvtier-seg-"
