@@ -111,12 +111,15 @@ def test_segment_files_are_read_in_place_only_on_their_own_host(cluster, nodes):
     # every host sees the lender's file in the one /dev/shm of the machine
     assert any(f".{cluster.hosts.addresses[1].rsplit('.', 1)[1]}_" in p.name
                for p in cluster.segment_dir.iterdir())
+    host1, host2 = cluster.hosts.addresses[1], cluster.hosts.addresses[2]
     got = other_host.call("load", seed=6, n=8, size=SIZE, deadline_s=10)
     assert got["loaded"] == 8 and got["wrong"] == 0
-    assert other_host.call("stats")["mapped"] == 0  # through the transfer engine
+    # through the transfer engine: of the files, it maps only its own host's (its own)
+    assert other_host.call("stats")["mapped_hosts"] == [host2]
     got = same_host.call("load", seed=6, n=8, size=SIZE, deadline_s=10)
     assert got["loaded"] == 8 and got["wrong"] == 0
-    assert same_host.call("stats")["mapped"] == 1   # straight out of the lender's file
+    stats = same_host.call("stats")  # straight out of the lender's file, mapped as it opened
+    assert stats["mapped_hosts"] == [host1] and stats["mapped"] == 2  # the lender's, its own
 
 
 def test_hosts_are_swept_when_their_owner_died(tmp_path):

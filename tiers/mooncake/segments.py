@@ -233,6 +233,11 @@ class Segments:
                     made += 1
             return made
 
+    def hosts(self) -> set[str]:
+        """The hosts of the lenders whose files are mapped now."""
+        with self._lock:
+            return {host_of(endpoint) for endpoint in self._maps}
+
     def recheck(self) -> None:
         """A mapping served a bad frame: list the directory at the next read, which drops
         the mapping if its lender's file is gone or renamed (a stale mapping). A frame that

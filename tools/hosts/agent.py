@@ -98,6 +98,7 @@ class Agent:
         pool = next((t for t in self.store.tiers if t.kind == "mooncake"), None)
         segs = getattr(pool, "segments", None)
         return {"mapped": segs.mapped if segs is not None else 0,
+                "mapped_hosts": sorted(segs.hosts()) if segs is not None else [],
                 "lender_failures": self.store.lender_failures(),
                 "blocked": sorted(pool.unreachable.blocked()) if pool is not None else []}
 
