@@ -146,11 +146,8 @@ class LentFile:
         self._filler.start()
 
     def _fill(self, base: int, stop: threading.Event) -> None:
-        deprioritize()  # a prefill meanwhile goes first; a save zeroes what it reaches first
-        for off in range(0, self.size, POPULATE_PIECE):
-            if stop.is_set() or not populate(base + off, min(POPULATE_PIECE, self.size - off),
-                                             write=True):
-                return  # stopped, or an older kernel: pages are zeroed as they are written
+        # a prefill meanwhile goes first; a save zeroes what it reaches first
+        _populate_in_pieces(base, self.size, True, stop)
 
     def stop_fill(self) -> None:
         """End `fill`'s thread (within one piece) before the client unmaps the file."""
@@ -207,11 +204,9 @@ class Segments:
                 if endpoint not in self._names and time.monotonic() - self._listed >= RESCAN_S:
                     self._list()
                 name = self._names.get(endpoint)
-                got = self._map(name) if name is not None else None
+                got = self._keep(endpoint, name) if name is not None else None
                 if got is None:
                     return None
-                self.mapped += 1
-                self._maps[endpoint] = got
             return got.view, got.base
 
     def map_all(self) -> int:
@@ -222,16 +217,18 @@ class Segments:
             return 0
         with self._lock:
             self._list()
-            made = 0
-            for endpoint, name in self._names.items():
-                if endpoint in self._maps or host_of(endpoint) != self.host:
-                    continue
-                got = self._map(name)
-                if got is not None:
-                    self._maps[endpoint] = got
-                    self.mapped += 1
-                    made += 1
-            return made
+            return sum(self._keep(endpoint, name) is not None
+                       for endpoint, name in self._names.items()
+                       if endpoint not in self._maps and host_of(endpoint) == self.host)
+
+    def _keep(self, endpoint: str, name: str) -> _Mapped | None:
+        """Map `name`, the file of `endpoint`, and keep the mapping (None: the file is gone).
+        Lock held."""
+        got = self._map(name)
+        if got is not None:
+            self.mapped += 1
+            self._maps[endpoint] = got
+        return got
 
     def hosts(self) -> set[str]:
         """The hosts of the lenders whose files are mapped now."""
@@ -292,16 +289,10 @@ class _Mapped:
         threading.Thread(target=self._populate, name="kvtier-seg-populate", daemon=True).start()
 
     def _populate(self) -> None:
-        deprioritize()  # a read meanwhile faults in what it needs itself
         # The array holds the mapping open until this ends (close then leaves it to GC).
         arr = np.frombuffer(self.mm, dtype=np.uint8)
-        try:
-            addr, size = arr.ctypes.data, arr.size
-            for off in range(0, size, POPULATE_PIECE):
-                if self._closing.is_set():
-                    return
-                if not populate(addr + off, min(POPULATE_PIECE, size - off), write=False):
-                    return  # an older kernel: pages are faulted in as they are read
+        try:  # a read meanwhile faults in what it needs itself
+            _populate_in_pieces(arr.ctypes.data, arr.size, False, self._closing)
         finally:
             del arr
             self.populated.set()
@@ -314,3 +305,14 @@ class _Mapped:
         except BufferError:  # a read or the population still uses it: it goes with the last
             # reference
             pass
+
+
+def _populate_in_pieces(addr: int, size: int, write: bool, stop: threading.Event) -> None:
+    """Map in [addr, addr + size) a piece at a time, at the least CPU priority, until done,
+    `stop` is set (checked between pieces) or the kernel cannot (before 5.14: pages are
+    then mapped in as they are first touched)."""
+    deprioritize()
+    for off in range(0, size, POPULATE_PIECE):
+        if stop.is_set() or not populate(addr + off, min(POPULATE_PIECE, size - off),
+                                         write=write):
+            return
