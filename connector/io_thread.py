@@ -10,7 +10,9 @@ store can hand out where they lie (runs in another engine's pool segment file,
 landed in the cache is checked. A save batch arrives already gathered into a staging buffer
 (by the main thread, in `wait_for_save`); here it is sealed (header + checksum) and written
 through the store. A failed save is only a future miss: it is counted and logged, never
-retried inline.
+retried inline. With a hold (`hold_saves_s`: a CPU cache, where a prefill and a save share
+the cores) a save waits while the engine computes a prefill (`engine_busy`), until the
+prefill ends, the hold passes, or the engine would wait for a save buffer; loads pass it.
 
 Thread safety: `submit_*` are called from the model-runner thread; results are taken with
 `take_results`. A synchronous load (`load_now`) runs in the model-runner thread itself,
@@ -127,7 +129,9 @@ def stage_save(paged: PagedKV, buf: FrameBuffer, block_ids: list[list[int]],
 class IOThread:
     def __init__(self, store: "TieredStore", paged: PagedKV, load_pool: StagingPool,
                  save_pool: StagingPool, blocks_per_chunk: int, payload_len: int,
-                 stats: "KVTierStats", stats_lock: threading.Lock):
+                 stats: "KVTierStats", stats_lock: threading.Lock, hold_saves_s: float = 0.0):
+        """`hold_saves_s`: how long a save may wait while the engine computes a prefill
+        (`engine_busy`); never once the engine would wait for a save buffer."""
         self.store, self.paged = store, paged
         self.load_pool, self.save_pool = load_pool, save_pool
         self.m, self.payload_len = blocks_per_chunk, payload_len
@@ -143,6 +147,8 @@ class IOThread:
         self._loaded: dict[str, int] = {}        # chunks of a request's job loaded so far
         self._settled: list[tuple[str, int]] = []  # (request, chunks its job loaded)
         self._busy = 0
+        self._hold_s = hold_saves_s
+        self._prefill = False
         self._thread = threading.Thread(target=self._run, name="kvtier-io", daemon=True)
         self._thread.start()
 
@@ -157,6 +163,14 @@ class IOThread:
         with self._cv:
             self._saves.append(batch)
             self._cv.notify()
+
+    def engine_busy(self, busy: bool) -> None:
+        """The engine started (True) or finished (False) computing a prefill."""
+        with self._cv:
+            if self._prefill != busy:
+                self._prefill = busy
+                if not busy:
+                    self._cv.notify()
 
     def load_now(self, batches: list[LoadBatch]) -> None:
         """Run a synchronous load's batches in the calling thread, now (the step's forward
@@ -208,8 +222,8 @@ class IOThread:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._loads or self._saves or self._stop):
-                    self._cv.wait()
+                while not (self._loads or self._saves and not self._held() or self._stop):
+                    self._cv.wait(self._hold_left() if self._saves else None)
                 if not (self._loads or self._saves):
                     return
                 job = self._loads.pop() if self._loads else self._saves.popleft()
@@ -219,6 +233,16 @@ class IOThread:
             finally:
                 with self._cv:
                     self._busy -= 1
+
+    def _hold_left(self) -> float:
+        """Seconds the oldest queued save may still wait for the prefill to end."""
+        return max(0.0, self._saves[0].t0 + self._hold_s - time.perf_counter())
+
+    def _held(self) -> bool:
+        """Does the oldest queued save wait (the engine computes a prefill, the save has
+        not waited `_hold_s`, and the engine can still take a save buffer)?"""
+        return (self._prefill and not self._stop and self._hold_left() > 0
+                and self.save_pool.has_room())
 
     def _do(self, job: LoadBatch | SaveBatch) -> None:
         try:

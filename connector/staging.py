@@ -161,6 +161,11 @@ class StagingPool:
         for fut in pending:
             fut.add_done_callback(one_done)
 
+    def has_room(self) -> bool:
+        """Would `acquire` return at once (a buffer free, or one more may be made)?"""
+        with self._cond:
+            return bool(self._free) or self._created < self.max_buffers
+
     @property
     def in_use(self) -> int:
         with self._cond:

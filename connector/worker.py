@@ -118,8 +118,13 @@ class WorkerSide:
             g.save_pool = StagingPool(per_buffer, stride, device, self.cfg.staging_buffers,
                                       self._register, alloc)
             load_pool = StagingPool(per_buffer, stride, device, 1, self._register, alloc)
+            # On a CPU cache the prefill runs on the cores a save's work (sealing, the pool's
+            # put, its master's share) would take: saves wait for the prefill's end, as the
+            # mover's jobs do (BENCHMARKS.md, "kvtier's cold against vLLM alone's over 27
+            # rounds").
+            hold = self.cfg.policy.mover.yield_to_prefill_s if device.type == "cpu" else 0.0
             g.io = IOThread(self.store, g.paged, load_pool, g.save_pool, g.m,
-                            payload_len, self.stats, self.stats_lock)
+                            payload_len, self.stats, self.stats_lock, hold)
             log.info("kvtier: %sKV layout %s%s, %d layers, %d-byte chunks, namespace %s",
                      f"{g.shape.kind} group {g.shape.group}: " if len(self.groups) > 1 else "",
                      g.paged.info.kind, " (fused)" if g.paged.info.fused else "",
@@ -181,6 +186,9 @@ class WorkerSide:
         self._forward = None
         if meta.prefill and self.store is not None:
             self.store.engine_busy(True)
+            for g in self.groups.values():
+                if g.io is not None:
+                    g.io.engine_busy(True)
         if meta.work[0] <= 0 or any(job.sync for job in meta.loads):
             return  # nothing to time, or a synchronous load inside the interval
         self._forward = (meta.work, self._now())
@@ -249,6 +257,9 @@ class WorkerSide:
                 self.store.engine_stepped()  # a decode too: persists wait for an idle engine
             if not meta.prefill_continues:
                 self.store.engine_busy(False)  # the prefill (if any) is done
+                for g in self.groups.values():
+                    if g.io is not None:
+                        g.io.engine_busy(False)
         if meta.saves:
             self._require_registered()
             for job in meta.saves:

@@ -172,7 +172,8 @@ class MoverConfig(BaseModel):
     as much as `buffer`; 0: never copy, persist only by reading the first tier back).
     `yield_to_prefill_s`: how long queued work may wait while the engine computes a prefill,
     and a persist also while it decodes (its copies would take CPU, and the GIL, from the
-    engine's steps; 0: never wait). `idle_after_s`: how long after its last step the engine
+    engine's steps; 0: never wait); on a CPU cache the worker's saves to the first tier wait
+    as long at most. `idle_after_s`: how long after its last step the engine
     counts as idle (its steps follow each other within milliseconds while requests run;
     an agent's next turn comes seconds later)."""
 

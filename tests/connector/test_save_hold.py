@@ -1,0 +1,131 @@
+"""Saves wait while the engine computes a prefill on the host's cores: until it ends, for at
+most the hold, and never once the engine would wait for a save buffer (a real store: a
+real master, real files, real LMDB; a paged cache in host memory)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import make_policy, wait_until
+from kvtier.connector.io_thread import IOThread, LoadBatch, SaveBatch, stage_save
+from kvtier.connector.layout import PagedKV
+from kvtier.connector.staging import StagingPool
+from kvtier.connector.stats import KVTierStats
+from kvtier.store.base import block
+from kvtier.store.tiered import TieredStore
+
+LAYERS, BLOCKS, HEADS, BLOCK_TOKENS, HEAD = 2, 64, 2, 16, 32
+PER_BUFFER = 4  # chunks of one block each per staging buffer
+
+
+def open_store(root, master) -> TieredStore:
+    policy = make_policy(root, master_address=master.address, tiers=[
+        {"name": "dram", "kind": "mooncake", "capacity": "16MiB", "buffer": "8MiB",
+         "staging": "8MiB"},
+        {"name": "nvme", "kind": "nvme", "path": str(root / "nvme"), "capacity": "8MiB",
+         "region_size": "1MiB"}])
+    return TieredStore(policy, mover=False)
+
+
+@pytest.fixture
+def io(tmp_path, shared_master):
+    """An I/O thread over a real store, two save buffers, saves held up to `hold` s."""
+    made = []
+
+    def make(hold: float, buffers: int = 2):
+        store = open_store(tmp_path, shared_master)
+        raw = torch.randn(LAYERS, BLOCKS, HEADS, BLOCK_TOKENS, 2 * HEAD)
+        paged = PagedKV({f"layers.{i}": raw[i] for i in range(LAYERS)}, BLOCKS, BLOCK_TOKENS)
+        payload = paged.info.block_bytes
+        stride = block.frame_size(payload, block.PAGE)
+        saves = StagingPool(PER_BUFFER, stride, paged.device, buffers)
+        loads = StagingPool(PER_BUFFER, stride, paged.device, 1)
+        thread = IOThread(store, paged, loads, saves, 1, payload, KVTierStats(),
+                          threading.Lock(), hold_saves_s=hold)
+        made.append((thread, store))
+        return thread, store, paged, saves
+
+    yield make
+    for thread, store in made:
+        thread.stop()
+        store.close()
+
+
+def submit(thread, paged, pool, tag: str) -> list[str]:
+    keys = [f"{tag}{i:02x}".ljust(48, "0") for i in range(PER_BUFFER)]
+    buf = pool.acquire(timeout_s=5.0)
+    assert buf is not None, "the engine waited for a save buffer"
+    ready = stage_save(paged, buf, [[i] for i in range(PER_BUFFER)], 1)
+    thread.submit_save(SaveBatch("r", keys, buf, None, ready))
+    return keys
+
+
+def stored(store, keys) -> bool:
+    return all(store.tiers[0].contains(keys))
+
+
+def test_a_save_waits_for_the_prefill_to_end(io):
+    thread, store, paged, pool = io(hold=30.0)
+    thread.engine_busy(True)
+    keys = submit(thread, paged, pool, "aa")
+    time.sleep(0.5)
+    assert thread.pending_saves() == 1 and not any(store.tiers[0].contains(keys))
+    t0 = time.monotonic()
+    thread.engine_busy(False)
+    wait_until(lambda: stored(store, keys), 10.0, "the held save after the prefill ended")
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_a_save_waits_at_most_the_hold(io):
+    thread, store, paged, pool = io(hold=0.3)
+    thread.engine_busy(True)
+    t0 = time.monotonic()
+    keys = submit(thread, paged, pool, "bb")
+    wait_until(lambda: stored(store, keys), 10.0, "a save held past its hold")
+    assert time.monotonic() - t0 >= 0.3  # it did wait, the engine still busy
+
+
+def test_a_save_goes_once_the_engine_would_wait_for_a_buffer(io):
+    thread, store, paged, pool = io(hold=30.0, buffers=2)
+    thread.engine_busy(True)
+    first = submit(thread, paged, pool, "cc")
+    time.sleep(0.3)
+    assert not any(store.tiers[0].contains(first))  # one buffer left: held
+    second = submit(thread, paged, pool, "dd")  # the last buffer: the oldest save goes
+    wait_until(lambda: stored(store, first), 10.0, "the oldest save with no buffer left")
+    assert pool.has_room()
+    assert not any(store.tiers[0].contains(second))  # a buffer free again: this one waits
+    third = submit(thread, paged, pool, "ee")  # would have blocked without the release
+    thread.stop()  # stopping finishes what is held
+    assert stored(store, second) and stored(store, third)
+
+
+def test_without_a_hold_saves_go_at_once(io):
+    thread, store, paged, pool = io(hold=0.0)
+    thread.engine_busy(True)
+    keys = submit(thread, paged, pool, "ff")
+    wait_until(lambda: stored(store, keys), 10.0, "a save with no hold")
+
+
+def test_loads_are_not_held_behind_a_held_save(io):
+    thread, store, paged, pool = io(hold=30.0)
+    keys = submit(thread, paged, pool, "ab")
+    wait_until(lambda: stored(store, keys), 10.0, "a save before the prefill")
+    thread.engine_busy(True)
+    held = submit(thread, paged, pool, "ac")
+    thread.submit_load([LoadBatch("q", keys, [[BLOCKS - 1 - i] for i in range(PER_BUFFER)],
+                                  0, last=True)])
+    done: list[str] = []
+    wait_until(lambda: done.extend(thread.take_results()[0]) or "q" in done, 10.0,
+               "a load while a save is held")
+    assert thread.pending_saves() == 1 and not any(store.tiers[0].contains(held))
+    assert torch.equal(paged_rows(paged, [BLOCKS - 1 - i for i in range(PER_BUFFER)]),
+                       paged_rows(paged, list(range(PER_BUFFER))))
+
+
+def paged_rows(paged, ids):
+    return torch.stack([v[ids] for v in paged.views])
