@@ -11,8 +11,10 @@ landed in the cache is checked. A save batch arrives already gathered into a sta
 (by the main thread, in `wait_for_save`); here it is sealed (header + checksum) and written
 through the store. A failed save is only a future miss: it is counted and logged, never
 retried inline. With a hold (`hold_saves_s`: a CPU cache, where a prefill and a save share
-the cores) a save waits while the engine computes a prefill (`engine_busy`), until the
-prefill ends, the hold passes, or the engine would wait for a save buffer; loads pass it.
+the cores) a request's saves wait while its prompt is still being computed (`prefilling`),
+until that prefill ends, the hold passes, or the engine would wait for a save buffer; loads
+and other requests' saves pass them. The blocks reach the store one prefill later, and no
+other engine could read a prompt's first chunks sooner than its owner finishes it anyway.
 
 Thread safety: `submit_*` are called from the model-runner thread; results are taken with
 `take_results`. A synchronous load (`load_now`) runs in the model-runner thread itself,
@@ -130,8 +132,8 @@ class IOThread:
     def __init__(self, store: "TieredStore", paged: PagedKV, load_pool: StagingPool,
                  save_pool: StagingPool, blocks_per_chunk: int, payload_len: int,
                  stats: "KVTierStats", stats_lock: threading.Lock, hold_saves_s: float = 0.0):
-        """`hold_saves_s`: how long a save may wait while the engine computes a prefill
-        (`engine_busy`); never once the engine would wait for a save buffer."""
+        """`hold_saves_s`: how long a save may wait while its request's prefill continues
+        (`prefilling`); never once the engine would wait for a save buffer."""
         self.store, self.paged = store, paged
         self.load_pool, self.save_pool = load_pool, save_pool
         self.m, self.payload_len = blocks_per_chunk, payload_len
@@ -148,7 +150,7 @@ class IOThread:
         self._settled: list[tuple[str, int]] = []  # (request, chunks its job loaded)
         self._busy = 0
         self._hold_s = hold_saves_s
-        self._prefill = False
+        self._prefilling: frozenset[str] = frozenset()
         self._thread = threading.Thread(target=self._run, name="kvtier-io", daemon=True)
         self._thread.start()
 
@@ -164,13 +166,13 @@ class IOThread:
             self._saves.append(batch)
             self._cv.notify()
 
-    def engine_busy(self, busy: bool) -> None:
-        """The engine started (True) or finished (False) computing a prefill."""
+    def prefilling(self, req_ids: Iterable[str]) -> None:
+        """The requests whose prompts are still being computed after the step just run."""
+        now = frozenset(req_ids)
         with self._cv:
-            if self._prefill != busy:
-                self._prefill = busy
-                if not busy:
-                    self._cv.notify()
+            if now != self._prefilling:
+                self._prefilling = now
+                self._cv.notify()
 
     def load_now(self, batches: list[LoadBatch]) -> None:
         """Run a synchronous load's batches in the calling thread, now (the step's forward
@@ -222,11 +224,11 @@ class IOThread:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._loads or self._saves and not self._held() or self._stop):
+                while not (self._loads or self._stop or self._next_save() is not None):
                     self._cv.wait(self._hold_left() if self._saves else None)
                 if not (self._loads or self._saves):
                     return
-                job = self._loads.pop() if self._loads else self._saves.popleft()
+                job = self._loads.pop() if self._loads else self._take_save()
                 self._busy += 1
             try:
                 self._do(job)
@@ -235,14 +237,25 @@ class IOThread:
                     self._busy -= 1
 
     def _hold_left(self) -> float:
-        """Seconds the oldest queued save may still wait for the prefill to end."""
+        """Seconds the oldest queued save may still wait for its prefill to end."""
         return max(0.0, self._saves[0].t0 + self._hold_s - time.perf_counter())
 
-    def _held(self) -> bool:
-        """Does the oldest queued save wait (the engine computes a prefill, the save has
-        not waited `_hold_s`, and the engine can still take a save buffer)?"""
-        return (self._prefill and not self._stop and self._hold_left() > 0
-                and self.save_pool.has_room())
+    def _next_save(self) -> int | None:
+        """The position of the first queued save that need not wait, if any: one whose
+        request's prefill is over, or the oldest once it has waited `_hold_s`, the engine
+        would wait for a save buffer, or the thread is stopping."""
+        if not self._saves:
+            return None
+        if self._stop or self._hold_left() <= 0 or not self.save_pool.has_room():
+            return 0
+        return next((i for i, job in enumerate(self._saves)
+                     if job.req_id not in self._prefilling), None)
+
+    def _take_save(self) -> SaveBatch:
+        i = self._next_save() or 0
+        job = self._saves[i]
+        del self._saves[i]
+        return job
 
     def _do(self, job: LoadBatch | SaveBatch) -> None:
         try:

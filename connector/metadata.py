@@ -77,9 +77,10 @@ class KVTierMetadata(KVConnectorMetadata):
     work: tuple[float, float] = (0.0, 0.0)
     # whether some request of the step computes more than one token (a prefill), and
     # whether one is left with prompt tokens to compute after it: the workers' movers
-    # yield to a prefill until it ends
+    # yield to a prefill until it ends; which ones: on a CPU cache their saves wait for it
     prefill: bool = False
     prefill_continues: bool = False
+    prefilling: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:

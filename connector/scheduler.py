@@ -546,7 +546,7 @@ class SchedulerSide:
                 last = st.request.num_output_tokens + n >= (st.request.max_tokens or 0) > 0
                 self._save_end(st, computed + n, last=last)
         meta = KVTierMetadata(self._loads, self._saves, self._hold, self._events, work,
-                              prefill, continues)
+                              prefill, bool(continues), continues)
         self._loads, self._saves, self._hold, self._events = [], [], [], []
         return meta
 
@@ -556,17 +556,18 @@ class SchedulerSide:
         st.group_ids = {s.group: list(ids[s.group]) if ids else []
                         for s, _ in self.others + self.states}
 
-    def _step_work(self, out: Any) -> tuple[tuple[float, float], bool, bool]:
+    def _step_work(self, out: Any) -> tuple[tuple[float, float], bool, list[str]]:
         """What this step's forward computes, as `RecomputeModel` counts it; whether some
-        request of it computes more than one token (a prefill); whether one still has
+        request of it computes more than one token (a prefill); the requests left with
         prompt tokens to compute after this step."""
         work = [(out.num_scheduled_tokens.get(r.req_id, 0), r.num_computed_tokens, r.req_id)
                 for r in out.scheduled_new_reqs]
         cached = out.scheduled_cached_reqs
         work += [(out.num_scheduled_tokens.get(r, 0), c, r)
                  for r, c in zip(cached.req_ids, cached.num_computed_tokens)]
-        continues = any(n > 1 and (st := self.reqs.get(req_id)) is not None
-                        and c + n < st.request.num_prompt_tokens for n, c, req_id in work)
+        continues = [req_id for n, c, req_id in work
+                     if n > 1 and (st := self.reqs.get(req_id)) is not None
+                     and c + n < st.request.num_prompt_tokens]
         return (RecomputeModel.step_features([(n, c) for n, c, _ in work]),
                 any(n > 1 for n, _, _ in work), continues)
 

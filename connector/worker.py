@@ -119,9 +119,8 @@ class WorkerSide:
                                       self._register, alloc)
             load_pool = StagingPool(per_buffer, stride, device, 1, self._register, alloc)
             # On a CPU cache the prefill runs on the cores a save's work (sealing, the pool's
-            # put, its master's share) would take: saves wait for the prefill's end, as the
-            # mover's jobs do (BENCHMARKS.md, "kvtier's cold against vLLM alone's over 27
-            # rounds").
+            # put, its master's share) would take: a request's saves wait for the end of its
+            # prefill (BENCHMARKS.md, "Saves that wait for their prompt's prefill").
             hold = self.cfg.policy.mover.yield_to_prefill_s if device.type == "cpu" else 0.0
             g.io = IOThread(self.store, g.paged, load_pool, g.save_pool, g.m,
                             payload_len, self.stats, self.stats_lock, hold)
@@ -186,9 +185,6 @@ class WorkerSide:
         self._forward = None
         if meta.prefill and self.store is not None:
             self.store.engine_busy(True)
-            for g in self.groups.values():
-                if g.io is not None:
-                    g.io.engine_busy(True)
         if meta.work[0] <= 0 or any(job.sync for job in meta.loads):
             return  # nothing to time, or a synchronous load inside the interval
         self._forward = (meta.work, self._now())
@@ -257,9 +253,9 @@ class WorkerSide:
                 self.store.engine_stepped()  # a decode too: persists wait for an idle engine
             if not meta.prefill_continues:
                 self.store.engine_busy(False)  # the prefill (if any) is done
-                for g in self.groups.values():
-                    if g.io is not None:
-                        g.io.engine_busy(False)
+            for g in self.groups.values():
+                if g.io is not None:
+                    g.io.prefilling(meta.prefilling)
         if meta.saves:
             self._require_registered()
             for job in meta.saves:

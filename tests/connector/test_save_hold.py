@@ -1,6 +1,7 @@
-"""Saves wait while the engine computes a prefill on the host's cores: until it ends, for at
-most the hold, and never once the engine would wait for a save buffer (a real store: a
-real master, real files, real LMDB; a paged cache in host memory)."""
+"""A request's saves wait while its prompt is still being computed on the host's cores: until
+its prefill ends, for at most the hold, and never once the engine would wait for a save
+buffer; loads and other requests' saves pass them (a real store: a real master, real files,
+real LMDB; a paged cache in host memory)."""
 
 from __future__ import annotations
 
@@ -55,12 +56,12 @@ def io(tmp_path, shared_master):
         store.close()
 
 
-def submit(thread, paged, pool, tag: str) -> list[str]:
+def submit(thread, paged, pool, tag: str, req: str = "r") -> list[str]:
     keys = [f"{tag}{i:02x}".ljust(48, "0") for i in range(PER_BUFFER)]
     buf = pool.acquire(timeout_s=5.0)
     assert buf is not None, "the engine waited for a save buffer"
     ready = stage_save(paged, buf, [[i] for i in range(PER_BUFFER)], 1)
-    thread.submit_save(SaveBatch("r", keys, buf, None, ready))
+    thread.submit_save(SaveBatch(req, keys, buf, None, ready))
     return keys
 
 
@@ -70,19 +71,19 @@ def stored(store, keys) -> bool:
 
 def test_a_save_waits_for_the_prefill_to_end(io):
     thread, store, paged, pool = io(hold=30.0)
-    thread.engine_busy(True)
+    thread.prefilling({"r"})
     keys = submit(thread, paged, pool, "aa")
     time.sleep(0.5)
     assert thread.pending_saves() == 1 and not any(store.tiers[0].contains(keys))
     t0 = time.monotonic()
-    thread.engine_busy(False)
+    thread.prefilling(())
     wait_until(lambda: stored(store, keys), 10.0, "the held save after the prefill ended")
     assert time.monotonic() - t0 < 5.0
 
 
 def test_a_save_waits_at_most_the_hold(io):
     thread, store, paged, pool = io(hold=0.3)
-    thread.engine_busy(True)
+    thread.prefilling({"r"})
     t0 = time.monotonic()
     keys = submit(thread, paged, pool, "bb")
     wait_until(lambda: stored(store, keys), 10.0, "a save held past its hold")
@@ -91,7 +92,7 @@ def test_a_save_waits_at_most_the_hold(io):
 
 def test_a_save_goes_once_the_engine_would_wait_for_a_buffer(io):
     thread, store, paged, pool = io(hold=30.0, buffers=2)
-    thread.engine_busy(True)
+    thread.prefilling({"r"})
     first = submit(thread, paged, pool, "cc")
     time.sleep(0.3)
     assert not any(store.tiers[0].contains(first))  # one buffer left: held
@@ -106,7 +107,7 @@ def test_a_save_goes_once_the_engine_would_wait_for_a_buffer(io):
 
 def test_without_a_hold_saves_go_at_once(io):
     thread, store, paged, pool = io(hold=0.0)
-    thread.engine_busy(True)
+    thread.prefilling({"r"})
     keys = submit(thread, paged, pool, "ff")
     wait_until(lambda: stored(store, keys), 10.0, "a save with no hold")
 
@@ -115,7 +116,7 @@ def test_loads_are_not_held_behind_a_held_save(io):
     thread, store, paged, pool = io(hold=30.0)
     keys = submit(thread, paged, pool, "ab")
     wait_until(lambda: stored(store, keys), 10.0, "a save before the prefill")
-    thread.engine_busy(True)
+    thread.prefilling({"r"})
     held = submit(thread, paged, pool, "ac")
     thread.submit_load([LoadBatch("q", keys, [[BLOCKS - 1 - i] for i in range(PER_BUFFER)],
                                   0, last=True)])
@@ -129,3 +130,17 @@ def test_loads_are_not_held_behind_a_held_save(io):
 
 def paged_rows(paged, ids):
     return torch.stack([v[ids] for v in paged.views])
+
+
+def test_another_requests_save_passes_a_held_one(io):
+    thread, store, paged, pool = io(hold=30.0, buffers=3)
+    thread.prefilling({"r"})
+    held = submit(thread, paged, pool, "ba")
+    done = submit(thread, paged, pool, "bb", req="s")  # its prefill is over
+    wait_until(lambda: stored(store, done), 10.0, "a finished request's save")
+    assert not any(store.tiers[0].contains(held))
+    thread.prefilling({"r", "t"})  # still computing: still held
+    time.sleep(0.3)
+    assert not any(store.tiers[0].contains(held))
+    thread.prefilling({"t"})
+    wait_until(lambda: stored(store, held), 10.0, "the save once its own prefill ended")
