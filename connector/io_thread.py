@@ -13,8 +13,10 @@ through the store. A failed save is only a future miss: it is counted and logged
 retried inline. With a hold (`hold_saves_s`: a CPU cache, where a prefill and a save share
 the cores) a request's saves wait while its prompt is still being computed (`prefilling`),
 until that prefill ends, the hold passes, or the engine would wait for a save buffer; loads
-and other requests' saves pass them. The blocks reach the store one prefill later, and no
-other engine could read a prompt's first chunks sooner than its owner finishes it anyway.
+and other requests' saves pass them. A request saves only what it missed: its own new
+tokens, which no other engine wants before the session's next turn, or a prefix seen for
+the first time by several requests at once, whose later arrivals now find it after the
+first one's whole prefill instead of after its first steps.
 
 Thread safety: `submit_*` are called from the model-runner thread; results are taken with
 `take_results`. A synchronous load (`load_now`) runs in the model-runner thread itself,
