@@ -99,8 +99,7 @@ class StagingPool:
         """A free buffer; waits while all `max_buffers` are in use, at most `timeout_s`
         (then None)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._free or self._created < self.max_buffers,
-                                       timeout_s):
+            if not self._cond.wait_for(self._room, timeout_s):
                 return None
             if self._free:
                 return self._free.pop()
@@ -164,7 +163,11 @@ class StagingPool:
     def has_room(self) -> bool:
         """Would `acquire` return at once (a buffer free, or one more may be made)?"""
         with self._cond:
-            return bool(self._free) or self._created < self.max_buffers
+            return self._room()
+
+    def _room(self) -> bool:
+        """What `acquire` waits for; the caller holds `_cond`."""
+        return bool(self._free) or self._created < self.max_buffers
 
     @property
     def in_use(self) -> int:
