@@ -76,15 +76,19 @@ class KVTierMetadata(KVConnectorMetadata):
     # workers time the forward and send it back, so the scheduler learns the engine's cost
     work: tuple[float, float] = (0.0, 0.0)
     # whether some request of the step computes more than one token (a prefill), and
-    # whether one is left with prompt tokens to compute after it: the workers' movers
-    # yield to a prefill until it ends; which ones: on a CPU cache their saves wait for it
+    # which ones are left with prompt tokens to compute after it: the workers' movers
+    # yield to a prefill until it ends; on a CPU cache those requests' saves wait for it
     prefill: bool = False
-    prefill_continues: bool = False
     prefilling: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         return not (self.loads or self.saves or self.hold or self.events)
+
+    @property
+    def prefill_continues(self) -> bool:
+        """Whether some request still has prompt tokens to compute after this step."""
+        return bool(self.prefilling)
 
 
 @dataclass

@@ -546,7 +546,7 @@ class SchedulerSide:
                 last = st.request.num_output_tokens + n >= (st.request.max_tokens or 0) > 0
                 self._save_end(st, computed + n, last=last)
         meta = KVTierMetadata(self._loads, self._saves, self._hold, self._events, work,
-                              prefill, bool(continues), continues)
+                              prefill=prefill, prefilling=continues)
         self._loads, self._saves, self._hold, self._events = [], [], [], []
         return meta
 
