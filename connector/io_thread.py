@@ -226,11 +226,17 @@ class IOThread:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._loads or self._stop or self._next_save() is not None):
+                while True:
+                    ready = self._next_save()
+                    if self._loads or self._stop or ready is not None:
+                        break
                     self._cv.wait(self._hold_left() if self._saves else None)
-                if not (self._loads or self._saves):
+                if self._loads:
+                    job = self._loads.pop()
+                elif ready is None:  # stopping, nothing queued
                     return
-                job = self._loads.pop() if self._loads else self._take_save()
+                else:
+                    job = self._take_save(ready)
                 self._busy += 1
             try:
                 self._do(job)
@@ -253,8 +259,8 @@ class IOThread:
         return next((i for i, job in enumerate(self._saves)
                      if job.req_id not in self._prefilling), None)
 
-    def _take_save(self) -> SaveBatch:
-        i = self._next_save() or 0
+    def _take_save(self, i: int) -> SaveBatch:
+        """Dequeue the save at `i` (`_next_save`'s answer)."""
         job = self._saves[i]
         del self._saves[i]
         return job
