@@ -227,16 +227,16 @@ class IOThread:
         while True:
             with self._cv:
                 while True:
-                    ready = self._next_save()
-                    if self._loads or self._stop or ready is not None:
+                    if self._loads:  # loads first: a request waits for them
+                        job = self._loads.pop()
                         break
+                    ready = self._next_save()
+                    if ready is not None:
+                        job = self._take_save(ready)
+                        break
+                    if self._stop:  # nothing queued
+                        return
                     self._cv.wait(self._hold_left() if self._saves else None)
-                if self._loads:
-                    job = self._loads.pop()
-                elif ready is None:  # stopping, nothing queued
-                    return
-                else:
-                    job = self._take_save(ready)
                 self._busy += 1
             try:
                 self._do(job)
