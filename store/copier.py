@@ -79,7 +79,7 @@ class Copier:
 
     def _read(self, src: Tier, keys: list[str], why: str) -> dict[str, memoryview]:
         """`keys` read from `src` into the arena (the I/O lock held), by key; misses left
-        out. A block gone while waiting to be copied down is lost to the tiers below."""
+        out (a persist takes a block gone from `src` from the tier it was demoted to)."""
         if not keys:
             return {}
         outs = self._frames([self.placement.frame_bytes(k) for k in keys])

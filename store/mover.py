@@ -26,7 +26,9 @@ A persist normally reads its blocks back from the tier they were saved to (the p
 that tier may drop them first (`PersistRisk`: it is full, so evicting, or a copy down has
 just found a block gone), and for blocks it refused, `persist` keeps copies of the saved
 frames in a `FrameHold` (bounded by `mover.buffer` too) and the copies go down from there:
-the source is not read back.
+the source is not read back. A block neither held nor still in the pool when its persist
+comes (a save beside it made room, and eviction demotes one tier down only) is taken from
+the tier it was demoted to, so the shared tier still gets it.
 """
 
 from __future__ import annotations
@@ -337,7 +339,23 @@ class Mover:
         for dst in below:
             admitted = self.placement.admit(dst, keys)
             plan[dst] = [k for k, ok in zip(keys, admitted) if ok]
-        self.copier.fan_out(self.by_name[src], plan, why="persist")
+        copied = self.copier.fan_out(self.by_name[src], plan, why="persist")
+        # A block `src` dropped before this job came to it (a save beside it made room, and
+        # eviction demotes one tier down only) goes on from the tier it was demoted to, so
+        # the tiers further down, the shared one where other nodes look, still get it.
+        for i, via in enumerate(below[:-1]):
+            rest = {}
+            for dst in below[i + 1:]:
+                done = set(copied.get(dst.name, ()))
+                rest[dst] = [k for k in plan[dst] if k not in done]
+            wanted = list(dict.fromkeys(k for ks in rest.values() for k in ks))
+            if not wanted:
+                return
+            there = {k for k, has in zip(wanted, via.contains(wanted)) if has}
+            more = self.copier.fan_out(via, {dst: [k for k in ks if k in there]
+                                             for dst, ks in rest.items()}, why="persist")
+            for name, done in more.items():
+                copied[name] = [*copied.get(name, ()), *done]
 
     def _promote(self, keys: list[str], src: str) -> None:
         first = self.tiers[0]

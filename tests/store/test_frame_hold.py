@@ -284,3 +284,19 @@ def test_a_persist_goes_before_the_promotions_queued_ahead_of_it(tmp_path, share
         finally:
             worker.join()
         assert all(store.tiers[0].contains(old[-8:]))  # and the promotions ran after
+
+
+def test_a_block_evicted_before_its_persist_still_reaches_every_tier_below(
+        tmp_path, shared_master):
+    """A save below the pool's risk line is not held; a second save evicts it (demoted one
+    tier down) before the mover reached its persist. The persist copies it on from the tier
+    the demotion put it in, so the shared tier, where other nodes look, still gets it."""
+    first, second = block_keys(NS, range(16 * 20))[:10], block_keys(NS, range(16 * 20))[10:]
+    with TieredStore(node_policy(tmp_path, shared_master), mover=False) as store:
+        save_batch(store, first, session="a")
+        assert store.mover.stats["held"] == 0  # 10 of 16 MiB: under the risk line
+        save_batch(store, second, session="b")  # make room: part of `first` goes to nvme
+        assert not all(store.tiers[0].contains(first))
+        store.mover.drain()
+        assert below(store, first + second) == {"nvme": 20, "shared": 20}
+        assert MISS not in loaded(store, first + second)
