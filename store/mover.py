@@ -339,23 +339,26 @@ class Mover:
         for dst in below:
             admitted = self.placement.admit(dst, keys)
             plan[dst] = [k for k, ok in zip(keys, admitted) if ok]
-        copied = self.copier.fan_out(self.by_name[src], plan, why="persist")
+        source = self.by_name[src]
+        copied = self.copier.fan_out(source, plan, why="persist")
         # A block `src` dropped before this job came to it (a save beside it made room, and
-        # eviction demotes one tier down only) goes on from the tier it was demoted to, so
-        # the tiers further down, the shared one where other nodes look, still get it.
+        # eviction demotes one tier down only) goes on from the first tier below that holds
+        # it, so the ones further down, the shared one where other nodes look, still get it.
+        # Only blocks gone from `src`: one a destination refused is not tried twice.
+        left = {dst: set(plan[dst]) - set(copied.get(dst.name, ())) for dst in below[1:]}
+        wanted = [k for k in keys if any(k in ks for ks in left.values())]
+        if not wanted:
+            return
+        gone = [k for k, has in zip(wanted, source.contains(wanted)) if not has]
         for i, via in enumerate(below[:-1]):
-            rest = {}
-            for dst in below[i + 1:]:
-                done = set(copied.get(dst.name, ()))
-                rest[dst] = [k for k in plan[dst] if k not in done]
-            wanted = list(dict.fromkeys(k for ks in rest.values() for k in ks))
-            if not wanted:
+            if not gone:
                 return
-            there = {k for k, has in zip(wanted, via.contains(wanted)) if has}
-            more = self.copier.fan_out(via, {dst: [k for k in ks if k in there]
-                                             for dst, ks in rest.items()}, why="persist")
-            for name, done in more.items():
-                copied[name] = [*copied.get(name, ()), *done]
+            there = {k for k, has in zip(gone, via.contains(gone)) if has}
+            if there:
+                self.copier.fan_out(via, {dst: [k for k in plan[dst]
+                                                if k in there and k in left[dst]]
+                                          for dst in below[i + 1:]}, why="persist")
+            gone = [k for k in gone if k not in there]
 
     def _promote(self, keys: list[str], src: str) -> None:
         first = self.tiers[0]
