@@ -11,7 +11,8 @@
   `kv_transfer_params`, time to first token and to the last, measured inside the engine
   process from the moment it read the request); `on_first` is called at its first token.
   `generate` runs a batch to its end in one call and returns each request's output token ids,
-  `num_cached_tokens` (local prefix hit + tokens loaded by a KV connector), the
+  `num_cached_tokens` (local prefix hit + tokens a KV connector promised; `served_tokens`
+  leaves out those kvtier promised and the engine then recomputed), the
   `kv_transfer_params` the connector returned, its time to first token from the batch's
   start (with `engine_args={"disable_log_stats": False}`), and the wall time. By default the engine
   runs in one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor): scheduler and
@@ -121,8 +122,23 @@ def kvtier_transfer_config(policy: dict | str | None = None, **extra: Any) -> di
             "kv_role": "kv_both", "kv_connector_extra_config": cfg}
 
 
+class _Served:
+    """What a cache served of a finished request's prompt (`Output`, `Completion`)."""
+
+    num_cached_tokens: int
+    kv_transfer_params: dict | None
+
+    @property
+    def served_tokens(self) -> int:
+        """Prompt tokens served from a cache: `num_cached_tokens` less those the kvtier
+        connector promised and the engine then recomputed (vLLM counts a token as cached
+        when it schedules its load, and keeps counting it when the load fails)."""
+        kv = (self.kv_transfer_params or {}).get("kvtier", {})
+        return max(0, self.num_cached_tokens - int(kv.get("recomputed_tokens", 0)))
+
+
 @dataclass
-class Output:
+class Output(_Served):
     token_ids: list[int]
     num_cached_tokens: int
     kv_transfer_params: dict | None
@@ -130,7 +146,7 @@ class Output:
 
 
 @dataclass
-class Completion:
+class Completion(_Served):
     """A submitted request, done. Times in seconds from when the engine process read it."""
     id: str
     token_ids: list[int]

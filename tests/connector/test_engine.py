@@ -133,7 +133,12 @@ def test_a_corrupt_block_on_disk_is_recomputed(engines, cluster, load):
     out = served(e, prompt)
     assert out.token_ids == engines.baseline(prompt, TOKENS).token_ids
     # vLLM recomputed from the bad chunk on (and kvtier saved those chunks again)
-    assert out.kv_transfer_params["kvtier"]["saved_chunks"] == len(keys) + 1 - bad
+    kv = out.kv_transfer_params["kvtier"]
+    assert kv["saved_chunks"] == len(keys) + 1 - bad
+    # vLLM still counts the recomputed tokens as cached; what a cache served is what loaded
+    assert kv["recomputed_tokens"] > 0
+    assert out.served_tokens == sum(kv["hit_tokens"].values()) == bad * CHUNK
+    assert out.num_cached_tokens == out.served_tokens + kv["recomputed_tokens"]
     quarantined = [p for p in (cluster.shared / ".quarantine").rglob("*") if keys[bad] in p.name]
     assert quarantined, "the corrupt file was not quarantined"
     # the recomputed chunks were saved again: e's mover puts them back on the shared tier

@@ -56,7 +56,7 @@ class _Done:
     def __init__(self, n: int):
         self.ttft_s, self.e2e_s, self.first_step, self.done_step = 0.5, 0.5 + 0.004 * (n - 1), \
             10, 10 + n - 1
-        self.num_cached_tokens, self.token_ids = 0, list(range(n))
+        self.num_cached_tokens, self.served_tokens, self.token_ids = 0, 0, list(range(n))
 
 
 class _Engine:

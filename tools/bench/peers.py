@@ -22,7 +22,8 @@ TTFT is measured inside the engine process: from reading the request to the end 
 that produced the first token (`Engine.submit`); `max_tokens` tokens are generated, and every
 system's tokens for every case must equal vLLM alone's cold output for the same prompt
 (`mismatches`; a shorter output, the start of it). `cached` is vLLM's `num_cached_tokens`
-(prefix cache plus what the connector loaded): a hit shows as all but the prompt's last
+(prefix cache plus what the connector loaded; for kvtier less what it promised and the
+engine recomputed, which vLLM still counts): a hit shows as all but the prompt's last
 block. A peer that cannot run here is skipped with its reason; kvtier and vLLM alone must
 run.
 """
@@ -183,7 +184,7 @@ def measure(system, prompt: list[int], run: Run, max_tokens: int,
     def one(node: str, case: str, tokens: int = max_tokens):
         done = system.engines[node].submit(prompt, tokens).result(timeout=900)
         run.result.ttft_s[case].append(done.ttft_s)
-        run.cached[case].append(done.num_cached_tokens)
+        run.cached[case].append(done.served_tokens)
         run.tokens[case].append(done.token_ids)
         return done
 

@@ -2,7 +2,8 @@
 
 Definitions (the same in both engine modes):
 - token hit rate: tokens served from a cache (`cached`: vLLM's local prefix hit plus what
-  kvtier loaded) over input tokens; per tier: `local` (vLLM's own prefix cache, i.e.
+  a connector loaded, not what kvtier promised and the engine then recomputed, which vLLM
+  itself counts as cached) over input tokens; per tier: `local` (vLLM's own prefix cache, i.e.
   `cached` minus what kvtier loaded) and each kvtier tier by name;
 - TTFT: from when the request was sent (queueing included) to its first token; end-to-end:
   to its last token;

@@ -53,7 +53,7 @@ class VllmBackend:
 
 def _result(c: Completion) -> dict:
     kv = (c.kv_transfer_params or {}).get("kvtier", {})
-    return {"cached": c.num_cached_tokens, "tiers": kv.get("hit_tokens", {}),
+    return {"cached": c.served_tokens, "tiers": kv.get("hit_tokens", {}),
             "recomputed": kv.get("recomputed_tokens", 0),
             "declined": kv.get("declined_tokens", 0),
             "saved_chunks": kv.get("saved_chunks", 0), "ttft_s": c.ttft_s, "e2e_s": c.e2e_s,
