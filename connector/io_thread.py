@@ -67,6 +67,7 @@ class LoadBatch:
     sync: bool = False     # run by `load_now`: its request is not reported as received
     deadline: float | None = None   # `time.monotonic()` past which what has not arrived fails
     grace_s: float = 0.0   # the least time it gets from its start: the deadline moves out to it
+    span_s: float = 0.0    # the deadline's length: the most an async load waits past it
 
 
 @dataclass
@@ -153,6 +154,8 @@ class IOThread:
         self._busy = 0
         self._hold_s = hold_saves_s
         self._prefilling: frozenset[str] = frozenset()
+        self._collects = 0  # times the engine collected finished loads (`collect`)
+        self._overtime: dict[int, int] = {}  # id of a load past its deadline: `_collects` then
         self._thread = threading.Thread(target=self._run, name="kvtier-io", daemon=True)
         self._thread.start()
 
@@ -191,16 +194,39 @@ class IOThread:
             return done, failed, settled
 
     def wait_for_load(self, timeout_s: float) -> None:
-        """Block until a request's loads finish or `timeout_s` passes (if any are queued).
+        """Block until a request's loads finish, one passes its deadline, or `timeout_s`
+        passes (if any are queued).
 
         The engine calls this on steps with nothing to compute: instead of spinning through
         empty steps (and holding the GIL the I/O thread needs), it sleeps until there is
-        something to report.
+        something to report (or to cut: `collect`).
         """
         with self._cv:
             if self._done_loads or not (self._loads or self._busy):
                 return
-            self._cv.wait_for(lambda: self._done_loads, timeout_s)
+            self._cv.wait_for(lambda: self._done_loads or self._uncut(), timeout_s)
+
+    def collect(self, wait_s: float) -> None:
+        """The engine is about to take the finished loads (`take_results`): a load past its
+        deadline stops waiting for its transfer now, and this waits up to `wait_s` for such
+        loads to be reported.
+
+        An async load's failure reaches the scheduler only when the engine collects, at the
+        end of the step in progress; cutting it at its deadline instead, mid-step, would
+        save no time and lose what arrives before the step ends. So a load past its
+        deadline keeps waiting for its transfer until the engine's next collection (or one
+        more deadline's length at most), and what arrived by then counts.
+        """
+        with self._cv:
+            if not self._overtime:
+                return
+            self._collects += 1
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: not self._overtime, wait_s)
+
+    def _uncut(self) -> bool:
+        """A load is past its deadline and no collection has cut it yet; `_cv` held."""
+        return any(seq == self._collects for seq in self._overtime.values())
 
     def idle(self) -> bool:
         with self._cv:
@@ -340,7 +366,10 @@ class IOThread:
                 part = self.store.load(keys, outs, where)
             else:
                 parts = -(-len(rest) * buf.stride // PART_BYTES)
-                outcome = self.store.load_within(keys, outs, where, job.deadline, parts)
+                # a sync load's step waits for it: the deadline is the cut
+                overtime = None if job.sync else self._overtime_of(job)
+                outcome = self.store.load_within(keys, outs, where, job.deadline, parts,
+                                                 overtime)
                 part, pending, late = outcome.lengths, outcome.pending, outcome.late
             for i, g in zip(rest, part):
                 got[i] = g
@@ -354,6 +383,25 @@ class IOThread:
         finally:
             self.load_pool.release_after(buf, pending)
         return ok, late
+
+    def _overtime_of(self, job: LoadBatch):
+        """`load_within`'s `overtime` for `job`: wait for the transfer in progress until
+        the engine collects (`collect`) or one more deadline's length has passed."""
+        span = job.span_s
+
+        def overtime(fut) -> None:
+            with self._cv:
+                self._overtime[id(job)] = self._collects
+                seq = self._collects
+                self._cv.notify_all()  # an idle engine's `wait_for_load` collects at once
+            fut.add_done_callback(lambda _f: self._notify())
+            with self._cv:
+                self._cv.wait_for(lambda: fut.done() or self._collects != seq, span)
+        return overtime
+
+    def _notify(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
 
     def _load_in_place(self, job: LoadBatch) -> list[int]:
         """Scatter the chunks the store lets us read where they lie (another engine's pool
@@ -431,6 +479,8 @@ class IOThread:
         for row, ids in enumerate(job.block_ids[ok_rows:], start=ok_rows):
             failed.update(ids[job.skip_first:] if row == 0 else ids)
         with self._cv:
+            if self._overtime.pop(id(job), None) is not None:
+                self._cv.notify_all()  # `collect` waits for these
             # After a failed batch every later one reports 0: the sum is the loaded prefix.
             self._loaded[job.req_id] = self._loaded.get(job.req_id, 0) + ok_rows
             if failed:

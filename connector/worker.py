@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 # How long a step with nothing to compute may wait for a load to finish. Short, so requests
 # arriving meanwhile are not held up; long enough to stop spinning through empty steps.
 IDLE_WAIT_S = 0.02
+# How long a step's end waits for the I/O thread to report the loads it cut (`collect`);
+# one it did not report by then is reported at the next step's end.
+COLLECT_WAIT_S = 0.005
 
 
 def _ranks() -> tuple[int, int]:
@@ -241,7 +244,8 @@ class WorkerSide:
         return [LoadBatch(job.req_id, keys[s:s + step], job.block_ids[s:s + step],
                           job.skip_first if s == 0 else 0, last=(s == starts[-1]),
                           tiers=job.tiers[s:s + step] or None, sync=job.sync,
-                          deadline=deadline, grace_s=grace * len(keys[s:s + step]))
+                          deadline=deadline, grace_s=grace * len(keys[s:s + step]),
+                          span_s=job.deadline_s or 0.0)
                 for s in starts]
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
@@ -291,6 +295,8 @@ class WorkerSide:
                 until = time.monotonic() + IDLE_WAIT_S
                 for g in self.groups.values():  # a request is done when all its groups are
                     g.io.wait_for_load(max(0.0, until - time.monotonic()))
+            for g in self.groups.values():  # loads past their deadline are cut now
+                g.io.collect(COLLECT_WAIT_S)
             if len(self.groups) == 1:
                 done, failed, settled = self.io.take_results()
                 self._errors |= failed

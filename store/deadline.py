@@ -72,12 +72,17 @@ class DeadlineLoads:
 
     def load_within(self, keys: Sequence[str], outs: Sequence[memoryview],
                     where: Sequence[str | None] | None, deadline: float,
-                    parts: int = 1) -> LoadOutcome:
+                    parts: int = 1, overtime: Callable[[Future], None] | None = None
+                    ) -> LoadOutcome:
         """Payload length per key or `MISS`, by `deadline` (`time.monotonic()`); see the
         module docstring for `pending`. `parts` > 1 reads that many consecutive runs of the
         keys one after another: the runs done by the deadline count (a slow lender costs
         the runs from its own on, not the ones before). A tier's error reaches the caller
-        (`TieredStore.load` itself never raises for one)."""
+        (`TieredStore.load` itself never raises for one).
+
+        `overtime(fut)`, if given, is called at the deadline with the run in progress and
+        returns when it is done or the caller will wait no longer; a run it saw done
+        counts (no run after it starts)."""
         n = len(keys)
         with self._lock:
             if self._closed or self._stuck >= STUCK_MAX:
@@ -87,17 +92,24 @@ class DeadlineLoads:
                                   None if where is None else where[lo:hi])
                                  for lo, hi in bounds])
         lengths = [MISS] * n
-        for (lo, hi), fut in zip(bounds, run.futures):
+        for i, ((lo, hi), fut) in enumerate(zip(bounds, run.futures)):
             try:
                 lengths[lo:hi] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
+                if overtime is not None:
+                    run.last(i)
+                    overtime(fut)
                 pending = run.stop()
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    lengths[lo:hi] = fut.result()  # in during the overtime
+                    lo = hi
                 if pending:
                     self._left_behind(run, pending)
-                out = LoadOutcome(lengths, pending, ((lo, n),))
-                log.warning("a load of %d blocks passed its deadline: %d of them are "
-                            "recomputed (%d transfers left to finish on their own)",
-                            n, out.late, len(pending))
+                out = LoadOutcome(lengths, pending, ((lo, n),) if lo < n else ())
+                if out.late:
+                    log.warning("a load of %d blocks passed its deadline: %d of them are "
+                                "recomputed (%d transfers left to finish on their own)",
+                                n, out.late, len(pending))
                 return out
         return LoadOutcome(lengths)
 
@@ -149,15 +161,16 @@ class _Runs:
         self.tid: int | None = None
         self._lock = threading.Lock()
         self._stopped = False
+        self._last = len(calls)  # calls from this one on never start
         self._thread = threading.Thread(target=self._go, args=(fn, calls), daemon=True,
                                         name="kvtier-load")
         self._thread.start()
 
     def _go(self, fn: Callable, calls: list[tuple]) -> None:
         self.tid = threading.get_native_id()
-        for fut, args in zip(self.futures, calls):
+        for i, (fut, args) in enumerate(zip(self.futures, calls)):
             with self._lock:
-                if self._stopped:
+                if self._stopped or i >= self._last:
                     break
                 fut.set_running_or_notify_cancel()
             try:
@@ -167,6 +180,11 @@ class _Runs:
                 break
         for fut in self.futures:  # those never started (a done one ignores the cancel):
             fut.cancel()          # nothing writes into their buffers
+
+    def last(self, i: int) -> None:
+        """Start no call after call `i` (it may still start)."""
+        with self._lock:
+            self._last = min(self._last, i + 1)
 
     def stop(self) -> tuple[Future, ...]:
         """Start no more calls; the call still running (at most one), whose buffers it may

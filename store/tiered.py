@@ -237,10 +237,10 @@ class TieredStore:
 
     def load_within(self, keys: Sequence[str], outs: Sequence[memoryview],
                     where: Sequence[str | None] | None, deadline: float,
-                    parts: int = 1) -> LoadOutcome:
-        """`load`, returning by `deadline` (`time.monotonic()`) whatever the tiers do
-        (`store.deadline.DeadlineLoads.load_within`)."""
-        out = self._deadlines.load_within(keys, outs, where, deadline, parts)
+                    parts: int = 1, overtime=None) -> LoadOutcome:
+        """`load`, returning by `deadline` (`time.monotonic()`) whatever the tiers do,
+        or when `overtime` returns (`store.deadline.DeadlineLoads.load_within`)."""
+        out = self._deadlines.load_within(keys, outs, where, deadline, parts, overtime)
         late: dict[str, list[str]] = {}
         for lo, hi in out.late_runs:  # counted against the tier each block was expected from
             for i in range(lo, hi):

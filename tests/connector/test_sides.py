@@ -353,6 +353,54 @@ def test_a_load_that_starts_past_its_deadline_gets_its_grace_from_its_start(side
         assert "load_late_starts" not in counters
 
 
+def slowed(sides, delay_s: float) -> None:
+    """Every read of the worker's store takes `delay_s` longer (a lender starved of CPU)."""
+    deadlines = sides.worker.io.store._deadlines
+    inner = deadlines._load
+
+    def load(*args):
+        time.sleep(delay_s)
+        return inner(*args)
+    deadlines._load = load
+
+
+def test_a_load_that_lands_after_its_deadline_but_before_the_engine_collects_counts(sides):
+    """An async load's failure reaches the scheduler only when the engine collects; one
+    that lands past its deadline but before then is a hit, not a recompute."""
+    src, dst = list(range(0, 10)), list(range(20, 30))
+    promised(sides, 11, dst)
+    meta = step(sides.sched)
+    meta.loads[:] = [replace(job, deadline_s=0.1, grace_s=0.0) for job in meta.loads]
+    slowed(sides, 0.15)  # past the deadline, within one more deadline's length
+    _, recving = run_worker(sides.worker, meta)  # collects once the I/O thread is idle
+    assert recving == {"r2"}
+    counters = sides.worker.get_stats().data["counters"]
+    assert sides.worker.get_block_ids_with_load_errors() == set()
+    assert counters["load_chunks"] == 4 and "load_late_chunks" not in counters
+    for a, b in zip(blocks_of(sides.caches, src[:8]), blocks_of(sides.caches, dst[:8])):
+        assert torch.equal(a, b)
+
+
+def test_a_load_past_its_deadline_is_cut_when_the_engine_collects(sides):
+    """The engine's steps go on meanwhile: the first collection after the deadline cuts the
+    load, and its blocks are reported failed in that same collection."""
+    dst = list(range(20, 30))
+    promised(sides, 12, dst)
+    meta = step(sides.sched)
+    meta.loads[:] = [replace(job, deadline_s=0.1, grace_s=0.0) for job in meta.loads]
+    slowed(sides, 2.0)
+    sides.worker.start_load_kv(meta, False)
+    t0 = time.monotonic()
+    recving = None
+    while not recving and time.monotonic() - t0 < 5:  # steps of 20 ms
+        time.sleep(0.02)
+        recving = sides.worker.get_finished(set())[1]
+    took = time.monotonic() - t0
+    assert recving == {"r2"} and 0.1 <= took < 1.0, took
+    assert sides.worker.get_block_ids_with_load_errors() == set(dst[:8])
+    assert sides.worker.get_stats().data["counters"]["load_late_chunks"] == 4
+
+
 def test_request_aborted_while_loading_saves_nothing_and_holds_nothing(deadline_sides):
     sides = deadline_sides
     r, n = promised(sides, 5, list(range(50, 60)))

@@ -114,3 +114,56 @@ def test_rates_learn_a_tier_and_a_stall_moves_them_only_a_bounded_step():
     other.adopt([{"dram": {"s_per_byte": 1e-9, "call_s": 0.002, "seen": 3}}, r.rows()])
     assert other.measured("dram")
     assert other.predict("dram", 8 << 20) == pytest.approx(r.predict("dram", 8 << 20))
+
+
+def test_a_part_that_arrives_in_overtime_counts_and_none_after_it_starts():
+    """Past the deadline the caller may wait on (`overtime`) for the part in progress: it
+    counts if it lands by then; the parts after it never start."""
+    arrive = threading.Event()
+    calls = []
+
+    def load(keys, outs, where):
+        calls.append(keys[0])
+        if keys[0] == "k1":
+            arrive.wait(10)
+        return [100] * len(keys)
+
+    seen = []
+
+    def overtime(fut):
+        seen.append(time.monotonic())
+        threading.Timer(0.1, arrive.set).start()  # the transfer lands during the overtime
+        fut.result(5)
+
+    d = loads(load)
+    t0 = time.monotonic()
+    out = d.load_within([f"k{i}" for i in range(4)], [None] * 4, None, t0 + 0.1, parts=4,
+                        overtime=overtime)
+    assert seen and seen[0] - t0 >= 0.09  # called at the deadline, not before
+    assert out.lengths == [100, 100, MISS, MISS] and out.late == 2 and out.pending == ()
+    time.sleep(0.1)  # the loader thread would start the next part now, if it were going to
+    assert calls == ["k0", "k1"]
+
+
+def test_a_part_still_running_when_the_overtime_ends_is_late_and_handed_back():
+    release = threading.Event()
+
+    def load(keys, outs, where):
+        release.wait(10)
+        return [100] * len(keys)
+
+    ended = []
+    d = loads(load)
+    out = d.load_within(["a", "b"], [None] * 2, None, time.monotonic() + 0.05,
+                        overtime=lambda fut: ended.append(fut.done()))  # the engine cut it
+    assert ended == [False]
+    assert out.lengths == [MISS, MISS] and out.late == 2 and len(out.pending) == 1
+    release.set()
+    assert out.pending[0].result(5) == [100, 100]
+
+
+def test_a_load_in_time_never_calls_overtime():
+    called = []
+    out = loads(lambda keys, outs, where: [7] * len(keys)).load_within(
+        ["a"], [None], None, time.monotonic() + 5, overtime=called.append)
+    assert out.lengths == [7] and called == []
