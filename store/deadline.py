@@ -8,7 +8,9 @@ in and the still-running transfer: the caller must keep the out buffers away fro
 use until that transfer is done (the connector releases its staging buffer from the
 transfer's completion). A load in parts reads them one after another on its thread, each
 one batched call: what came in by the deadline is a prefix, the only part of a hit a
-request can use, and a part not started by then is never started. (Parts read at once
+request can use, and a part not started by then is never started; a caller that cannot use
+a failure at once (the engine sees an async load's outcome only at its step's end) may wait
+on for the part in progress (`overtime`). (Parts read at once
 were 1.7-1.9x slower over TCP on loopback: every Mooncake call busy-waits for its
 transfers, so four calls at once spin four threads beside the transfer engine's own; and a
 part after a late one was read for nothing.) A thread left past its deadline is lowered to
