@@ -24,3 +24,11 @@ def test_bench_gather_round_trips_and_times_the_checks(tmp_path, layout, in_cach
     want = {"check_frame", "check_copy"} | ({"check_cache"} if in_cache else set())
     assert set(res["check_ms"]) == want
     assert all(v > 0 for v in res["check_ms"].values())
+
+
+def test_bench_gather_runs_the_io_thread_end_to_end(tmp_path):
+    """`--io-thread`: save then load through the real I/O thread; every byte comes back."""
+    out = tmp_path / "g.json"
+    main([*SMALL, "--layout", "LBHNC", "--io-thread", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["io_thread_round_trip_ok"] and res["io_thread_failed_blocks"] == 0
