@@ -387,16 +387,12 @@ class IOThread:
     def _overtime_of(self, job: LoadBatch):
         """`load_within`'s `overtime` for `job`: wait for the transfer in progress until
         the engine collects (`collect`) or one more deadline's length has passed."""
-        span = job.span_s
-
         def overtime(fut) -> None:
-            with self._cv:
-                self._overtime[id(job)] = self._collects
-                seq = self._collects
-                self._cv.notify_all()  # an idle engine's `wait_for_load` collects at once
             fut.add_done_callback(lambda _f: self._notify())
             with self._cv:
-                self._cv.wait_for(lambda: fut.done() or self._collects != seq, span)
+                seq = self._overtime[id(job)] = self._collects
+                self._cv.notify_all()  # an idle engine's `wait_for_load` collects at once
+                self._cv.wait_for(lambda: fut.done() or self._collects != seq, job.span_s)
         return overtime
 
     def _notify(self) -> None:
