@@ -68,6 +68,7 @@ class LoadBatch:
     deadline: float | None = None   # `time.monotonic()` past which what has not arrived fails
     grace_s: float = 0.0   # the least time it gets from its start: the deadline moves out to it
     span_s: float = 0.0    # the deadline's length: the most an async load waits past it
+    queued: float = field(default_factory=time.monotonic)  # when the worker queued it
 
 
 @dataclass
@@ -317,7 +318,7 @@ class IOThread:
         if job.req_id in self._failed_reqs:  # an earlier batch missed: nothing after it counts
             self._finish_load(job, ok_rows=0)
             return
-        now = time.monotonic()
+        now = started = time.monotonic()
         if job.deadline is not None and job.grace_s and now + job.grace_s > job.deadline:
             # Late from the queue, not from its source: it gets its grace from now.
             job.deadline = now + job.grace_s
@@ -335,6 +336,13 @@ class IOThread:
         ok, late = n, 0
         if rest:
             ok, late = self._load_rest(job, got, rest)
+        if late:
+            # where the time went, to tell a slow source from a busy I/O thread or host
+            log.warning("kvtier: a load of %d chunks for request %s passed its deadline "
+                        "(%.0f ms after it was queued): %d recomputed; it waited %.0f ms for "
+                        "the I/O thread and was cut %.0f ms after it started", n, job.req_id,
+                        (job.deadline - job.queued) * 1e3, late,
+                        (started - job.queued) * 1e3, (time.monotonic() - started) * 1e3)
         log.debug("kvtier: load %s: %d/%d chunks (%d in place, %.1f ms), the rest %.1f ms",
                   job.req_id, ok, n, in_place, (t1 - t0) * 1e3,
                   (time.perf_counter() - t1) * 1e3)
