@@ -22,7 +22,8 @@ from kvtier.store.frame_hold import FrameHold, PersistRisk
 from kvtier.tiers.base import MISS, Tier
 
 log = thin(logging.getLogger(__name__))  # a tier away: one line per message per 10 s
-TIER_COUNTERS = ("persist_misses", "demote_misses", "from_frames", "unheld")
+TIER_COUNTERS = ("persist_misses", "demote_misses", "from_frames", "unheld",
+                 "demote_unpersisted")
 
 
 class Copier:
@@ -96,8 +97,9 @@ class Copier:
         """The mover's counters of tier `name`: `persist_misses` and `demote_misses` (blocks
         gone from it when the mover came to copy them down, after a save or to evict them),
         `from_frames` (blocks written to it from held copies of saved frames, not read
-        back from the pool) and `unheld` (blocks saved to it at risk that the full hold
-        could not copy)."""
+        back from the pool), `unheld` (blocks saved to it at risk that the full hold
+        could not copy) and `demote_unpersisted` (blocks an eviction above wrote to it, a
+        tier other nodes read, before their persist had: the mover lagging the saves)."""
         return {k: self.stats[f"{k}_{name}"] for k in TIER_COUNTERS}
 
     def _put(self, src: Tier, dst: Tier, keys: list[str], frames: list[memoryview]

@@ -29,7 +29,8 @@ PREFILL = "prefill_cost"
 SELECTION = "selection"   # per process and tier: the candidate a tier follows, its shadows
 # the tiers' own counters, then the mover's per tier (`Copier.tier_counters`)
 SUMMED = ("hits", "misses", "corrupt", "errors", "puts", "deletes", "bytes_in", "bytes_out",
-          "late", "cross_host_hits", "persist_misses", "demote_misses", "from_frames", "unheld")
+          "late", "cross_host_hits", "persist_misses", "demote_misses", "from_frames", "unheld",
+          "demote_unpersisted")
 _START = int(time.time())
 
 

@@ -26,9 +26,10 @@ A persist normally reads its blocks back from the tier they were saved to (the p
 that tier may drop them first (`PersistRisk`: it is full, so evicting, or a copy down has
 just found a block gone), and for blocks it refused, `persist` keeps copies of the saved
 frames in a `FrameHold` (bounded by `mover.buffer` too) and the copies go down from there:
-the source is not read back. A block neither held nor still in the pool when its persist
-comes (a save beside it made room, and eviction demotes one tier down only) is taken from
-the tier it was demoted to, so the shared tier still gets it.
+the source is not read back. A block evicted before its persist came to it goes down with
+its demotion to this node's nvme and to the shared tier both (`demote`): other nodes look
+in the shared tier only. One whose demotion could not reach the shared tier (it did not
+answer) is taken by its persist from the tier it was demoted to.
 """
 
 from __future__ import annotations
@@ -342,8 +343,8 @@ class Mover:
         source = self.by_name[src]
         copied = self.copier.fan_out(source, plan, why="persist")
         # A block `src` dropped before this job came to it (a save beside it made room, and
-        # eviction demotes one tier down only) goes on from the first tier below that holds
-        # it, so the ones further down, the shared one where other nodes look, still get it.
+        # its demotion did not reach every tier below) goes on from the first tier below that
+        # holds it, so the ones further down, the shared one where other nodes look, get it.
         # Only blocks gone from `src`: one a destination refused is not tried twice.
         left = {dst: set(plan[dst]) - set(copied.get(dst.name, ())) for dst in below[1:]}
         wanted = [k for k in keys if any(k in ks for ks in left.values())]
@@ -421,18 +422,31 @@ class Mover:
         return self.demote(tier, self.placement.victims(tier, need_bytes))
 
     def demote(self, tier: Tier, victims: list[str]) -> int:
-        """Copy `victims` one tier down where admitted, then remove them from `tier`."""
+        """Copy `victims` one tier down where admitted, then remove them from `tier`.
+
+        Where one tier down is this node's own (nvme), a victim that no tier other nodes
+        read holds yet (its persist is still queued: the mover lags the saves) also goes to
+        the first such tier below: a router sends a session's next turn to any node, and a
+        block left in this node's nvme alone would be a miss there, cutting the rest of the
+        session's prefix with it."""
         if not victims:
             return 0
-        tiers = self.tiers
-        pos = tiers.index(tier)
-        if pos + 1 < len(tiers):
-            below = tiers[pos + 1]
-            admitted = self.placement.admit(below, victims)
-            keep = [k for k, ok in zip(victims, admitted) if ok]
-            if keep:
-                self.copier.copy(tier, below, keep, why="demote")
+        below = self.tiers[self.tiers.index(tier) + 1:]
+        if below:
+            plan = {below[0]: self._admitted(below[0], victims)}
+            seen = next((t for t in below if t.kind not in NODE_LOCAL_KINDS), None)
+            if seen is not None and seen is not below[0]:
+                # this process's view first: a stat per victim only for what it did not copy
+                unseen = [k for k, has in zip(victims, self.placement.holds(seen, victims))
+                          if not has]
+                plan[seen] = self._admitted(seen, unseen)
+            copied = self.copier.fan_out(tier, plan, why="demote")
+            if seen is not None and seen is not below[0]:
+                self.stats[f"demote_unpersisted_{seen.name}"] += len(copied.get(seen.name, ()))
         removed = tier.delete(victims)
         self.placement.on_remove(tier, victims)
         self.stats[f"evicted_{tier.name}"] += removed
         return removed
+
+    def _admitted(self, tier: Tier, keys: list[str]) -> list[str]:
+        return [k for k, ok in zip(keys, self.placement.admit(tier, keys)) if ok] if keys else []

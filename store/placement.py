@@ -175,6 +175,13 @@ class Placement:
 
     # ---- questions from the mover -------------------------------------------------------
 
+    def holds(self, tier, keys: Sequence[str]) -> list[bool]:
+        """Whether this process tracks each key in `tier` (what it put or found there; other
+        processes' blocks are not known here)."""
+        with self._lock:
+            pol = self.policies[tier.name]
+            return [k in pol for k in keys]
+
     def tracked_bytes(self, tier) -> int:
         """The bytes of the blocks `tier`'s policy tracks."""
         with self._lock:

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from conftest import make_policy
 from kvtier.store.base import block
+from kvtier.store.base.errors import TierUnavailableError
 from kvtier.store.base.index import Index
 from kvtier.store.base.keys import Namespace, block_keys
 from kvtier.store.counters import read_counters
@@ -286,17 +287,55 @@ def test_a_persist_goes_before_the_promotions_queued_ahead_of_it(tmp_path, share
         assert all(store.tiers[0].contains(old[-8:]))  # and the promotions ran after
 
 
-def test_a_block_evicted_before_its_persist_still_reaches_every_tier_below(
+def test_a_block_evicted_before_its_persist_goes_to_the_shared_tier_with_its_demotion(
         tmp_path, shared_master):
-    """A save below the pool's risk line is not held; a second save evicts it (demoted one
-    tier down) before the mover reached its persist. The persist copies it on from the tier
-    the demotion put it in, so the shared tier, where other nodes look, still gets it."""
+    """A save below the pool's risk line is not held; a second save evicts part of it before
+    the mover reached its persist. The demotion writes those blocks to the shared tier as
+    well as to this node's nvme, so another node finds them at once, not after the persist."""
     first, second = block_keys(NS, range(16 * 20))[:10], block_keys(NS, range(16 * 20))[10:]
     with TieredStore(node_policy(tmp_path, shared_master), mover=False) as store:
         save_batch(store, first, session="a")
         assert store.mover.stats["held"] == 0  # 10 of 16 MiB: under the risk line
-        save_batch(store, second, session="b")  # make room: part of `first` goes to nvme
-        assert not all(store.tiers[0].contains(first))
+        save_batch(store, second, session="b")  # make room: part of `first` is evicted
+        gone = [k for k, has in zip(first, store.tiers[0].contains(first)) if not has]
+        assert gone
+        assert below(store, gone) == {"nvme": len(gone), "shared": len(gone)}
+        assert store.mover.stats["demote_unpersisted_shared"] == len(gone)
+        store.mover.drain()
+        assert below(store, first + second) == {"nvme": 20, "shared": 20}
+        assert MISS not in loaded(store, first + second)
+
+
+def test_a_demotion_writes_nothing_again_to_the_shared_tier_its_persist_reached(
+        tmp_path, shared_master):
+    first, second = block_keys(NS, range(16 * 20))[:10], block_keys(NS, range(16 * 20))[10:]
+    with TieredStore(node_policy(tmp_path, shared_master), mover=False) as store:
+        save_batch(store, first, session="a")
+        store.mover.drain()  # persisted: in nvme and shared
+        puts = store.by_name["shared"].counters()["puts"]
+        save_batch(store, second, session="b")
+        assert not all(store.tiers[0].contains(first))  # evicted
+        assert store.mover.stats["demote_unpersisted_shared"] == 0
+        assert store.by_name["shared"].counters()["puts"] == puts
+
+
+def test_a_block_whose_demotion_missed_the_shared_tier_reaches_it_with_its_persist(
+        tmp_path, shared_master, monkeypatch):
+    """The shared tier does not answer while a save evicts blocks not yet persisted (a
+    network mount that hangs: mocked, as a test cannot hang a mount for a moment): they
+    are demoted to nvme only. Their persist, once the tier is back, copies them on from
+    nvme, as they are gone from the pool."""
+    first, second = block_keys(NS, range(16 * 20))[:10], block_keys(NS, range(16 * 20))[10:]
+    with TieredStore(node_policy(tmp_path, shared_master), mover=False) as store:
+        shared = store.by_name["shared"]
+        save_batch(store, first, session="a")
+        with monkeypatch.context() as m:
+            def hung(keys, frames):
+                raise TierUnavailableError("sharedfs tier 'shared': the mount hangs")
+            m.setattr(shared, "put", hung)
+            save_batch(store, second, session="b")
+        gone = [k for k, has in zip(first, store.tiers[0].contains(first)) if not has]
+        assert gone and below(store, gone) == {"nvme": len(gone), "shared": 0}
         store.mover.drain()
         assert below(store, first + second) == {"nvme": 20, "shared": 20}
         assert MISS not in loaded(store, first + second)
