@@ -141,7 +141,7 @@ class PersistRisk:
     def at_risk(self, tier) -> bool:
         if self.clock() - self._missed_at < self.after_miss_s:
             return True
-        return tier.used_bytes() >= self.low_watermark * tier.capacity_bytes
+        return tier.used_bytes() >= self.low_watermark * tier.usable_bytes()
 
 
 def _byte_view(buf) -> memoryview:

@@ -381,7 +381,7 @@ class Mover:
         """Free space in `tier` so `incoming` bytes fit below its high watermark."""
         if not self._evicts(tier):
             return
-        limit = self.cfg.high_watermark * tier.capacity_bytes
+        limit = self.cfg.high_watermark * tier.usable_bytes()
         used = tier.used_bytes()
         if used + incoming > limit:
             self.evict(tier, self._share_over(tier, used) + incoming)
@@ -391,7 +391,7 @@ class Mover:
             self._forget_overflow(tier)
             return
         used = tier.used_bytes()
-        if used > self.cfg.high_watermark * tier.capacity_bytes:
+        if used > self.cfg.high_watermark * tier.usable_bytes():
             self.evict(tier, self._share_over(tier, used))
 
     def _evicts(self, tier: Tier) -> bool:
@@ -414,7 +414,7 @@ class Mover:
         """This process's part of what `tier` holds above its low watermark. Processes that
         fill one space (a node's pool service) each see all of it used; each freeing the
         whole excess freed it once per process and left the pool half empty."""
-        over = max(0.0, used - self.cfg.low_watermark * tier.capacity_bytes)
+        over = max(0.0, used - self.cfg.low_watermark * tier.usable_bytes())
         return int(over * tier.own_share(used))
 
     def evict(self, tier: Tier, need_bytes: int) -> int:

@@ -9,7 +9,7 @@ Primitives (batched only; a miss is a value, never an exception):
 - `get(keys, outs) -> list[int]`: payload length read into `outs[i]` (the whole frame lands at
   `outs[i][0:HEADER_SIZE + n]`), or `MISS`.
 - `delete(keys) -> int`: how many were removed.
-- `capacity_bytes`, `used_bytes()`, `counters()`, `close()`.
+- `capacity_bytes`, `used_bytes()`, `usable_bytes()`, `counters()`, `close()`.
 - optional: `locate(keys)` and `verify_in_place(keys, runs, checksums)`, reads without a
   copy where a tier can offer them (the pool's segment files); a caller uses only what the
   second confirms, given checksums of the bytes the caller used.
@@ -169,6 +169,12 @@ class Tier(ABC):
 
     @abstractmethod
     def used_bytes(self) -> int: ...
+
+    def usable_bytes(self) -> int:
+        """What the tier can hold before its backend refuses writes or evicts on its own:
+        `capacity_bytes`, unless the backend has shown less (`MooncakeTier`). The mover's
+        watermarks are fractions of this."""
+        return self.capacity_bytes
 
     def own_share(self, used: int) -> float:
         """The fraction of `used` (a `used_bytes` reading) this process's own blocks make

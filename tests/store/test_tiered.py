@@ -242,6 +242,30 @@ def test_watermark_demotes_instead_of_dropping(tmp_path, shared_master):
         assert check_loaded(store, keys) == [PAYLOAD] * n
 
 
+def test_the_mover_keeps_the_pool_under_its_watermarks_of_what_the_pool_can_hold(
+        tmp_path, shared_master, monkeypatch):
+    """Where the pool has shown it refuses puts before its capacity (`usable_bytes`), the
+    watermarks are fractions of that: the mover evicts before the master would, by its
+    own policy, demoting what it evicts, instead of the master dropping blocks on its own."""
+    policy = small_policy(tmp_path, shared_master)
+    with TieredStore(policy, mover=False) as store:
+        pool = store.tiers[0]
+        usable = int(0.6 * pool.capacity_bytes)
+        monkeypatch.setattr(pool, "usable_bytes", lambda: usable)  # as after a refused put
+        frame = block.frame_size(PAYLOAD)
+        n = int(pool.capacity_bytes * 0.85 // frame)  # under the capacity's watermark
+        keys = block_keys(NS, range(16 * n))
+        for i in range(0, n, 4):
+            store.save(keys[i:i + 4], frames_for(keys[i:i + 4]), SessionHint(f"s{i}"))
+            store.mover.drain()
+            assert pool.used_bytes() <= policy.mover.high_watermark * usable + frame
+        store.mover.tick()
+        assert pool.used_bytes() <= policy.mover.high_watermark * usable
+        assert store.mover.stats["evicted_dram"] > 0
+        assert store.lookup(keys).hit_blocks == n  # demoted, not dropped
+        assert check_loaded(store, keys) == [PAYLOAD] * n
+
+
 def test_a_pool_with_nothing_below_is_left_to_the_masters_eviction(tmp_path, shared_master):
     """With no tier below, a victim has nowhere to go, and this process ranks only its own
     blocks by its own reads: the store evicts nothing from the pool and the master does

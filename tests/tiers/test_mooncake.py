@@ -853,3 +853,36 @@ def test_lookups_skip_a_hung_pool_at_once_until_its_slow_lookup_answers(pool, mo
     wait_until(lambda: not pool._lookups.hung(), 5, "the slow lookup answered")
     assert pool.contains(keys) == [True, True]
     pool.delete(keys)
+
+
+def test_a_refused_put_lowers_what_the_pool_counts_as_usable_until_it_recovers(tmp_path):
+    """A put the master refused for want of space (the master then evicts on its own) shows
+    the segment fills before its capacity: `usable_bytes`, of which the mover's watermarks
+    are fractions, loses a step (one a second however many puts are refused), never below
+    half the capacity, and creeps back while no put is refused."""
+    from kvtier.tiers.mooncake import usage as usage_mod
+    master = start_master(tmp_path)
+    tier = open_pool(tmp_path, master.address, capacity="16MiB", staging="8MiB")
+    try:
+        cap = tier.capacity_bytes
+        assert tier.usable_bytes() == cap
+        now = time.monotonic()
+        tier.usage.clock = lambda: now  # every refusal below in the same second
+        held = []
+        with pytest.raises(TierFullError):
+            for _ in range(12):
+                keys, frames = frames_for(2, 1 << 20)
+                tier.contains(held)  # a read lease on every block: nothing is evictable
+                held += [k for k, s in zip(keys, tier.put(keys, frames)) if s]
+        assert tier.usable_bytes() == int(cap - usage_mod.REFUSED_STEP * cap)
+        for i in range(1, 60):  # refusals a second apart: a step each, down to the floor
+            tier.usage.clock = lambda: now + i
+            tier.usage.refused()
+        assert tier.usable_bytes() == int(usage_mod.USABLE_FLOOR * cap)
+        tier.usage.clock = lambda: now + 59 + 0.25 / usage_mod.RECOVER_PER_S
+        assert abs(tier.usable_bytes() - 0.75 * cap) <= 1  # a quarter of the capacity back
+        tier.usage.clock = lambda: now + 59 + 1 / usage_mod.RECOVER_PER_S
+        assert tier.usable_bytes() == cap
+    finally:
+        tier.close()
+        master.stop()

@@ -212,6 +212,8 @@ class MooncakeTier(Tier):
                 self.stats.add(puts=new, bytes_in=nbytes)
             if not full:
                 return done
+            if attempt == 0:
+                self.usage.refused()
             todo = full
             if attempt < FULL_RETRIES:
                 time.sleep(delay)  # the master evicts at its high watermark, asynchronously
@@ -450,6 +452,9 @@ class MooncakeTier(Tier):
 
     def used_bytes(self) -> int:
         return self.usage.used_bytes()
+
+    def usable_bytes(self) -> int:
+        return self.usage.usable_bytes()
 
     def own_share(self, used: int) -> float:
         return self.usage.own_share(used)
