@@ -110,8 +110,8 @@ class DeadlineLoads:
                 out = LoadOutcome(lengths, pending, ((lo, n),) if lo < n else ())
                 if out.late:  # the caller says why; this says what was left running
                     log.debug("a load of %d blocks passed its deadline: %d of them are "
-                                "recomputed (%d transfers left to finish on their own)",
-                                n, out.late, len(pending))
+                              "recomputed (%d transfers left to finish on their own)",
+                              n, out.late, len(pending))
                 return out
         return LoadOutcome(lengths)
 
