@@ -336,10 +336,7 @@ class Mover:
     def _persist(self, keys: list[str], src: str) -> None:
         tiers = self.tiers
         below = tiers[[t.name for t in tiers].index(src) + 1:]
-        plan = {}
-        for dst in below:
-            admitted = self.placement.admit(dst, keys)
-            plan[dst] = [k for k, ok in zip(keys, admitted) if ok]
+        plan = {dst: self._admitted(dst, keys) for dst in below}
         source = self.by_name[src]
         copied = self.copier.fan_out(source, plan, why="persist")
         # A block `src` dropped before this job came to it (a save beside it made room, and
@@ -434,14 +431,17 @@ class Mover:
         below = self.tiers[self.tiers.index(tier) + 1:]
         if below:
             plan = {below[0]: self._admitted(below[0], victims)}
-            seen = next((t for t in below if t.kind not in NODE_LOCAL_KINDS), None)
-            if seen is not None and seen is not below[0]:
+            # the first tier other nodes read, when it is not the one a demotion goes to
+            seen = next((t for t in below[1:] if t.kind not in NODE_LOCAL_KINDS), None)
+            if below[0].kind not in NODE_LOCAL_KINDS:
+                seen = None
+            if seen is not None:
                 # this process's view first: a stat per victim only for what it did not copy
                 unseen = [k for k, has in zip(victims, self.placement.holds(seen, victims))
                           if not has]
                 plan[seen] = self._admitted(seen, unseen)
             copied = self.copier.fan_out(tier, plan, why="demote")
-            if seen is not None and seen is not below[0]:
+            if seen is not None:
                 self.stats[f"demote_unpersisted_{seen.name}"] += len(copied.get(seen.name, ()))
         removed = tier.delete(victims)
         self.placement.on_remove(tier, victims)
