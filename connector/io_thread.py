@@ -1,7 +1,9 @@
-"""The worker's one background I/O thread: every store load and save runs here.
+"""The worker's background I/O threads: every store load and save runs on them.
 
-Loads go first (a request waits on them), the one due first first (`LoadQueue`); saves
-after. A load batch reads up to one staging buffer of chunks from the store (verified there:
+Loads have a thread of their own (a request waits on them), the one due first first
+(`LoadQueue`); saves another. With one thread for both, a load that arrived while a save
+was being written waited for that save to end: tens of ms on a host whose cores the
+prefills hold, a whole deadline for a load of a few chunks. A load batch reads up to one staging buffer of chunks from the store (verified there:
 a corrupt or missing chunk is a MISS), scatters the chunks before the first miss into the
 paged cache, and reports the blocks of the missed chunk and of every later chunk of the
 request as failed, so vLLM recomputes from the first of them. On a CPU cache, chunks the
@@ -20,7 +22,7 @@ first one's whole prefill instead of after its first steps.
 
 Thread safety: `submit_*` are called from the model-runner thread; results are taken with
 `take_results`. A synchronous load (`load_now`) runs in the model-runner thread itself,
-beside this one; the two share the load staging buffer, one at a time. On CUDA, loads run on
+beside the load thread; the two share the load staging buffers, one at a time. On CUDA, loads run on
 a side stream that is synchronised before a request is reported, and a save waits for the
 event recorded after its device-to-host copy.
 """
@@ -83,7 +85,7 @@ class SaveBatch:
 
 class LoadQueue:
     """Load batches, taken earliest deadline first (ties and no deadline: arrival
-    order). Not thread-safe: the I/O thread's lock guards it.
+    order). Not thread-safe: the I/O threads' lock guards it.
 
     One thread serves every request's loads. Taken in arrival order, a short load queued
     behind a long one waited out its whole deadline there and was recomputed with its
@@ -157,20 +159,23 @@ class IOThread:
         self._prefilling: frozenset[str] = frozenset()
         self._collects = 0  # times the engine collected finished loads (`collect`)
         self._overtime: dict[int, int] = {}  # id of a load past its deadline: `_collects` then
-        self._thread = threading.Thread(target=self._run, name="kvtier-io", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=run, name=name, daemon=True)
+                         for run, name in ((self._run_loads, "kvtier-io-load"),
+                                           (self._run_saves, "kvtier-io-save"))]
+        for thread in self._threads:
+            thread.start()
 
     # ---- model-runner thread ------------------------------------------------------------
 
     def submit_load(self, batches: list[LoadBatch]) -> None:
         with self._cv:
             self._loads.extend(batches)
-            self._cv.notify()
+            self._cv.notify_all()  # two threads wait here: wake the one that loads
 
     def submit_save(self, batch: SaveBatch) -> None:
         with self._cv:
             self._saves.append(batch)
-            self._cv.notify()
+            self._cv.notify_all()
 
     def prefilling(self, req_ids: Iterable[str]) -> None:
         """The requests whose prompts are still being computed after the step just run."""
@@ -178,7 +183,7 @@ class IOThread:
         with self._cv:
             if now != self._prefilling:
                 self._prefilling = now
-                self._cv.notify()
+                self._cv.notify_all()
 
     def load_now(self, batches: list[LoadBatch]) -> None:
         """Run a synchronous load's batches in the calling thread, now (the step's forward
@@ -199,7 +204,7 @@ class IOThread:
         passes (if any are queued).
 
         The engine calls this on steps with nothing to compute: instead of spinning through
-        empty steps (and holding the GIL the I/O thread needs), it sleeps until there is
+        empty steps (and holding the GIL the load thread needs), it sleeps until there is
         something to report (or to cut: `collect`).
         """
         with self._cv:
@@ -239,24 +244,34 @@ class IOThread:
             return len(self._saves)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Finish queued work (saves included), then end the thread."""
+        """Finish queued work (saves included), then end the threads."""
         with self._cv:
             self._stop = True
-            self._cv.notify()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            log.warning("kvtier: I/O thread still busy after %.0fs at shutdown; queued saves "
+            self._cv.notify_all()
+        end = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, end - time.monotonic()))
+        if any(thread.is_alive() for thread in self._threads):
+            log.warning("kvtier: I/O threads still busy after %.0fs at shutdown; queued saves "
                         "are abandoned (they become misses)", timeout_s)
 
     # ---- the thread ---------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run_loads(self) -> None:
+        while True:
+            with self._cv:
+                while not self._loads:
+                    if self._stop:
+                        return
+                    self._cv.wait()
+                job = self._loads.pop()
+                self._busy += 1
+            self._run_job(job)
+
+    def _run_saves(self) -> None:
         while True:
             with self._cv:
                 while True:
-                    if self._loads:  # loads first: a request waits for them
-                        job = self._loads.pop()
-                        break
                     ready = self._next_save()
                     if ready is not None:
                         job = self._take_save(ready)
@@ -265,11 +280,14 @@ class IOThread:
                         return
                     self._cv.wait(self._hold_left() if self._saves else None)
                 self._busy += 1
-            try:
-                self._do(job)
-            finally:
-                with self._cv:
-                    self._busy -= 1
+            self._run_job(job)
+
+    def _run_job(self, job: LoadBatch | SaveBatch) -> None:
+        try:
+            self._do(job)
+        finally:
+            with self._cv:
+                self._busy -= 1
 
     def _hold_left(self) -> float:
         """Seconds the oldest queued save may still wait for its prefill to end."""
@@ -337,10 +355,10 @@ class IOThread:
         if rest:
             ok, late = self._load_rest(job, got, rest)
         if late:
-            # where the time went, to tell a slow source from a busy I/O thread or host
+            # where the time went, to tell a slow source from a busy load thread or host
             log.warning("kvtier: a load of %d chunks for request %s passed its deadline "
                         "(%.0f ms after it was queued): %d recomputed; it waited %.0f ms for "
-                        "the I/O thread and was cut %.0f ms after it started", n, job.req_id,
+                        "the load thread and was cut %.0f ms after it started", n, job.req_id,
                         (job.deadline - job.queued) * 1e3, late,
                         (started - job.queued) * 1e3, (time.monotonic() - started) * 1e3)
         log.debug("kvtier: load %s: %d/%d chunks (%d in place, %.1f ms), the rest %.1f ms",

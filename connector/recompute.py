@@ -43,7 +43,7 @@ for those tokens is not worth waiting for), and the load's deadline: the recompu
 saves, less a margin for the failover itself. Past it, waiting has cost what recomputing
 would have, so a stall (a lender that stops, a lease that expires) costs a request at most
 about twice a recompute, never the transfer engine's own give-up. A load that starts late,
-having spent its time in the engine's I/O thread behind a load that started before it, gets
+having spent its time in the engine's load thread behind a load that started before it, gets
 `GRACE` times its expected time from its start (at most its deadline; its deadline where
 the rate was never measured): a queue says nothing of the load's source, and the data is
 there. A stall after such a start is cut at that grace, so it costs at most a deadline
@@ -263,7 +263,7 @@ def _fit(sums: Sequence[float], prior: tuple[float, float, float],
 
     Solved from the normal equations the model keeps up to date step by step (`_terms`), in
     plain Python: three unknowns need no numpy, whose solvers release the GIL, and on the
-    engine's thread (kvtier's I/O thread and mover beside it) each release could cost up to
+    engine's thread (kvtier's I/O threads and mover beside it) each release could cost up to
     a switch interval before the thread had the GIL back."""
     s00, s01, s02, s11, s12, s22, r0, r1, r2 = sums
     m = [[s00 + PRIOR_STEPS, s01, s02], [s01, s11 + PRIOR_STEPS, s12],

@@ -1,18 +1,18 @@
 """Worker side: the paged KV cache of one TP/PP rank, moved to and from the store.
 
 Per step (vLLM's model runner drives it): `start_load_kv` hands the step's asynchronous load
-jobs to the I/O thread (those requests are not running) and runs the synchronous ones
+jobs to the load thread (those requests are not running) and runs the synchronous ones
 before it returns (their requests run in this step's forward); the forward runs; `wait_for_save`
 gathers the step's save jobs into staging buffers right away, so the bytes are out of the
 paged blocks before any later step can reuse them (on CUDA the gather and one bulk
 device-to-host copy are queued on the compute stream, which orders them before later
-writes), then hands sealing and writing to the I/O thread; `get_finished` reports finished
+writes), then hands sealing and writing to the save thread; `get_finished` reports finished
 loads, and held requests once no gather still reads their blocks; failed load blocks go out
 through `get_block_ids_with_load_errors` in the same step as their request.
 
 Several KV cache groups (vLLM's hybrid allocator): each group has its own paged view of its
 layers (groups may share the memory of one KV tensor: their block ids never overlap), its
-own staging and I/O thread and its own namespace; a job names its group. A recurrent
+own staging and I/O threads and its own namespace; a job names its group. A recurrent
 group's frame is one state: a page of state bytes per layer, from the request's block. A
 request's load is done when every group's job for it is, and counts as loaded only if all
 of them loaded everything (vLLM then takes failures per request: `failed_recving`, never
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 # How long a step with nothing to compute may wait for a load to finish. Short, so requests
 # arriving meanwhile are not held up; long enough to stop spinning through empty steps.
 IDLE_WAIT_S = 0.02
-# How long a step's end waits for the I/O thread to report the loads it cut (`collect`);
+# How long a step's end waits for the load thread to report the loads it cut (`collect`);
 # one it did not report by then is reported at the next step's end.
 COLLECT_WAIT_S = 0.005
 
@@ -207,7 +207,7 @@ class WorkerSide:
         self._held.update(meta.hold)
         if meta.loads:
             self._require_registered()
-            # the I/O thread starts on the asynchronous ones while the others run here
+            # the load thread starts on the asynchronous ones while the others run here
             for job in sorted(meta.loads, key=lambda j: j.sync):
                 io = self.groups[job.group].io
                 if len(self.groups) > 1:

@@ -1,7 +1,8 @@
 """A request's saves wait while its prompt is still being computed on the host's cores: until
 its prefill ends, for at most the hold, and never once the engine would wait for a save
-buffer; loads and other requests' saves pass them (a real store: a real master, real files,
-real LMDB; a paged cache in host memory)."""
+buffer; loads and other requests' saves pass them, and a load never waits for a save being
+written (a real store: a real master, real files, real LMDB; a paged cache in host
+memory)."""
 
 from __future__ import annotations
 
@@ -126,6 +127,36 @@ def test_loads_are_not_held_behind_a_held_save(io):
     assert thread.pending_saves() == 1 and not any(store.tiers[0].contains(held))
     assert torch.equal(paged_rows(paged, [BLOCKS - 1 - i for i in range(PER_BUFFER)]),
                        paged_rows(paged, list(range(PER_BUFFER))))
+
+
+def test_a_load_does_not_wait_for_a_save_being_written(io, monkeypatch):
+    thread, store, paged, pool = io(hold=0.0)
+    keys = submit(thread, paged, pool, "ad")
+    wait_until(lambda: stored(store, keys), 10.0, "a first save")
+    # A save the store takes long to write (a busy pool, a slow disk): held here until
+    # released, so the load below arrives while it is being written.
+    writing, release = threading.Event(), threading.Event()
+    save = store.save
+
+    def slow_save(*args, **kwargs):
+        writing.set()
+        release.wait(30.0)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(store, "save", slow_save)
+    try:
+        slow = submit(thread, paged, pool, "ae")
+        assert writing.wait(10.0), "the save never started"
+        rows = [BLOCKS - 1 - i for i in range(PER_BUFFER)]
+        thread.submit_load([LoadBatch("q", keys, [[r] for r in rows], 0, last=True)])
+        done: list[str] = []
+        wait_until(lambda: done.extend(thread.take_results()[0]) or "q" in done, 10.0,
+                   "a load while a save is being written")
+        assert not any(store.tiers[0].contains(slow))  # still being written
+        assert torch.equal(paged_rows(paged, rows), paged_rows(paged, list(range(PER_BUFFER))))
+    finally:
+        release.set()
+    wait_until(lambda: stored(store, slow), 10.0, "the slow save once the store took it")
 
 
 def paged_rows(paged, ids):
