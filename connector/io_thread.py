@@ -3,10 +3,11 @@
 Loads have a thread of their own (a request waits on them), the one due first first
 (`LoadQueue`); saves another. With one thread for both, a load that arrived while a save
 was being written waited for that save to end: tens of ms on a host whose cores the
-prefills hold, a whole deadline for a load of a few chunks. A load batch reads up to one staging buffer of chunks from the store (verified there:
-a corrupt or missing chunk is a MISS), scatters the chunks before the first miss into the
-paged cache, and reports the blocks of the missed chunk and of every later chunk of the
-request as failed, so vLLM recomputes from the first of them. On a CPU cache, chunks the
+prefills hold, a whole deadline for a load of a few chunks. A load batch reads up to one
+staging buffer of chunks from the store (verified there: a corrupt or missing chunk is a
+MISS), scatters the chunks before the first miss into the paged cache, and reports the
+blocks of the missed chunk and of every later chunk of the request as failed, so vLLM
+recomputes from the first of them. On a CPU cache, chunks the
 store can hand out where they lie (runs in another engine's pool segment file,
 `TieredStore.locate`) are scattered from there, without the copy into staging, and what
 landed in the cache is checked. A save batch arrives already gathered into a staging buffer
