@@ -3,6 +3,8 @@ model, the prefill model's fit, metrics and targets."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -157,9 +159,55 @@ def test_metrics_split_hits_by_tier_and_count_live_contexts():
 
 def test_engine_spec_errors_name_the_option():
     for kw, msg in [({"engine": "x"}, "--engine"), ({"chunk_tokens": 48}, "--chunk-tokens"),
-                    ({"eviction": "belady"}, "--eviction"), ({"admission": "x"}, "--admission")]:
+                    ({"eviction": "belady"}, "--eviction"), ({"admission": "x"}, "--admission"),
+                    ({"pool": "x"}, "--pool")]:
         with pytest.raises(KVTierError, match=msg):
             EngineSpec(**kw).check()
+
+
+def test_engines_of_a_files_pool_copy_each_others_blocks_out_of_their_files(tmp_path,
+                                                                          mooncake_master):
+    """`--pool files`: each engine lends its share from a file in the run's /dev/shm
+    directory, and another engine's load copies the block straight out of that file."""
+    import shutil
+    import tempfile
+
+    from kvtier.store.base import block
+    from kvtier.store.base.config import policy_from_dict
+    from kvtier.store.base.keys import Namespace, block_keys
+    from kvtier.store.tiered import TieredStore
+    from kvtier.tools.replay.cluster import Config, node_policy
+    from kvtier.tools.replay.vllm_cluster import SEGMENT_TMPFS
+
+    sizing = Sizing(block_bytes=64 << 10, working_set_bytes=64 << 20, instances=2)
+    segments = Path(tempfile.mkdtemp(prefix="kvtier-test-replay-", dir=SEGMENT_TMPFS))
+    try:
+        def policy(node):
+            return policy_from_dict(node_policy(
+                tmp_path, node, mooncake_master.address, Config("dram-only", 0.5, "dram-only"),
+                sizing, 64, "lru", "always", segment_dir=segments))
+
+        assert policy("n0").tiers[0].segment_dir == str(segments)
+        payload = 100_000
+        keys = block_keys(Namespace(model="replay-parts-files", chunk_tokens=16), range(16 * 32))
+        frames = []
+        for key in keys:
+            f = block.alloc_aligned(block.frame_size(payload, block.PAGE))
+            block.seal(f, key, payload)
+            frames.append(f)
+        with TieredStore(policy("n0"), node_id="n0", mover=False) as a, \
+                TieredStore(policy("n1"), node_id="n1", mover=False) as b:
+            assert len(list(segments.iterdir())) == 2  # one lender's file each
+            assert a.save(keys, frames) == [True] * len(keys)
+            outs = [memoryview(bytearray(len(f))) for f in frames]
+            assert b.load(keys, outs, ["dram"] * len(keys)) == [payload] * len(keys)
+            assert all(bytes(o) == bytes(f) for o, f in zip(outs, frames))
+            # where b finds them: in a's file, to be read in place
+            runs = b.locate(keys, ["dram"] * len(keys))
+            assert sum(r.count for r in runs) == len(keys)
+        assert list(segments.iterdir()) == []  # the lenders removed their files
+    finally:
+        shutil.rmtree(segments, ignore_errors=True)
 
 
 def test_engines_on_one_pool_service_read_its_usage_from_the_master(tmp_path, mooncake_master):

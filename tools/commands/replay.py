@@ -158,7 +158,9 @@ def replay(
     side_by_side: bool = typer.Option(False, help="vllm: run the configurations at the same "
                                       "time (background load hits each alike)"),
     pool: str = typer.Option("service", help="vllm: service (the engines join one pool "
-                             "service, shared memory) | embedded (each lends a segment, TCP)"),
+                             "service, shared memory) | embedded (each lends a segment, TCP) "
+                             "| files (each lends a segment from a /dev/shm file the others "
+                             "copy from)"),
     multiproc: bool = typer.Option(False, "--multiproc", help="vllm: vLLM's multi-process "
                                    "engine, as behind `vllm serve` (scheduler and worker "
                                    "apart; slower on few cores)"),

@@ -111,14 +111,16 @@ def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
                 tiers_root: Path | None = None, service: str | None = None,
                 count_hosts: bool = False, etcd: str | None = None,
                 shared: Path | None = None, run_dir: Path | None = None,
-                metrics_port: int | None = None) -> dict:
+                metrics_port: int | None = None, segment_dir: Path | None = None) -> dict:
     """The inline policy of one instance (`node`) of configuration `cfg`; its index lives
     under `root`, its nvme dir and the shared dir under `tiers_root` (default `root`; the
     shared dir at `shared` where given: its host's mount of a network filesystem).
     `service`: the instances join the pool service there (one segment holding the whole
     pool, shared memory), instead of each lending its share; `run_dir` is then the one the
     service's starter used, where it names its segment for the node's processes.
-    `metrics_port`: the master's, where the pool tier reads what its segment holds."""
+    `metrics_port`: the master's, where the pool tier reads what its segment holds.
+    `segment_dir`: each instance lends its share from a file there, which the node's other
+    instances copy straight out of (a tmpfs; not with `service`)."""
     disk = tiers_root or root
     dram = {"name": "dram", "kind": "mooncake",
             "capacity": sizing.segment_bytes(cfg.dram_frac), "buffer": "32MiB",
@@ -128,6 +130,8 @@ def node_policy(root: Path, node: str, master: str, cfg: Config, sizing: Sizing,
     if service:
         dram |= {"capacity": dram["capacity"] * sizing.instances, "service": service,
                  "service_embedded": False}
+    elif segment_dir is not None:
+        dram["segment_dir"] = str(segment_dir)
     tiers = [dram]
     if cfg.kind == "kvtier":
         tiers += [{"name": "nvme", "kind": "nvme", "path": str(disk / node / "nvme"),

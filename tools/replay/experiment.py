@@ -98,6 +98,8 @@ class EngineSpec:
             raise ReplayError("--instances, --scale and --speed must be positive")
         if self.hosts < 1:
             raise ReplayError(f"--hosts must be at least 1, got {self.hosts}")
+        if self.pool not in ("service", "embedded", "files"):
+            raise ReplayError(f"--pool: expected service, embedded or files, got {self.pool!r}")
         if self.shared_fs not in ("dir", "glusterfs"):
             raise ReplayError(f"--shared-fs: expected dir or glusterfs, got {self.shared_fs!r}")
         if self.shared_fs == "glusterfs":
@@ -112,10 +114,10 @@ class EngineSpec:
             if why:
                 raise ReplayError(f"--hosts {self.hosts}: {why}; or run on one host "
                                   "(--hosts 1)")
-            if self.engine == "vllm" and self.pool == "service":
-                raise ReplayError(f"--hosts {self.hosts} with --pool service: a pool service "
-                                  "serves the engines of its own host only; use --pool "
-                                  "embedded")
+            if self.engine == "vllm" and self.pool in ("service", "files"):
+                what = "a pool service" if self.pool == "service" else "segment files"
+                raise ReplayError(f"--hosts {self.hosts} with --pool {self.pool}: only the "
+                                  f"engines of one host share {what}; use --pool embedded")
             if self.side_by_side:
                 raise ReplayError("--hosts runs the configurations one after the other; "
                                   "drop --side-by-side")

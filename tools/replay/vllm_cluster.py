@@ -3,7 +3,9 @@
 `VllmCluster(root, cfg, ...)` starts, for one configuration (`tools.replay.cluster`), a
 fresh `mooncake_master` and (with `pool="service"`, the default) the node's pool service
 holding the whole pool, which the engines join through shared memory (unless the
-configuration has no store); `start()` N engine processes
+configuration has no store); with `pool="files"` each engine lends its share from a file
+in a /dev/shm directory of the run's own, which the others copy straight out of
+(`segment_dir`), and with `pool="embedded"` over TCP; `start()` N engine processes
 (`tools.vllm_engine.Engine`: the tiny random model, one process each, started in parallel),
 each with the same KV cache size (`num_blocks`) and, for store configurations, the kvtier
 connector with its node's policy (own index and nvme dir, one shared dir). It warms each
@@ -22,6 +24,8 @@ that knows its session ids would send it.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from kvtier.store.base.config import MasterConfig
@@ -35,6 +39,7 @@ from kvtier.tools.threads import in_threads
 from kvtier.tools.vllm_engine import Completion, Engine, EngineError, kvtier_transfer_config
 
 WARMUP_SEED = 987_654_321
+SEGMENT_TMPFS = "/dev/shm"  # `pool="files"`: where the lenders' files go
 
 
 class VllmBackend:
@@ -70,6 +75,7 @@ class VllmCluster:
         self.root, self.cfg, self.n = root, cfg, n
         self.master: EmbeddedMaster | None = None
         self.service = None
+        self.segment_dir: Path | None = None  # `pool="files"`: the lenders' files, a tmpfs
         self.peer = None  # the pool a peer's engines join (`tools.bench.peer_pool`)
         self.hosts = None  # a HostCluster: engine k on host k % hosts, the master on one more
         self.engines: list[Engine | None] = [None] * n
@@ -100,10 +106,14 @@ class VllmCluster:
             self.master = EmbeddedMaster(mcfg, log_path=root / "master.log").start()
             service = self._start_service(pool, root, mcfg, cfg, sizing, chunk_tokens,
                                           eviction, admission)
+            if pool == "files":
+                self.segment_dir = Path(tempfile.mkdtemp(prefix="kvtier-replay-",
+                                                         dir=SEGMENT_TMPFS))
             self.policies = [node_policy(root, f"n{k}", mcfg.address, cfg, sizing,
                                          chunk_tokens, eviction, admission, service=service,
                                          run_dir=mcfg.run_dir if service else None,
-                                         metrics_port=self.master.metrics_port)
+                                         metrics_port=self.master.metrics_port,
+                                         segment_dir=self.segment_dir)
                              for k in range(n)]
         # One OpenMP team per engine sized to its share of the cores: the in-process engine
         # does not bind threads, so N engines of (cores) spinning threads each oversubscribe
@@ -120,10 +130,10 @@ class VllmCluster:
                        sizing: Sizing, *policy_args) -> str | None:
         """With `pool="service"`, start the node's pool service, holding the whole pool (the
         N engines' shares), on this thread; return its address."""
-        if pool == "embedded":
+        if pool in ("embedded", "files"):
             return None
         if pool != "service":
-            raise ReplayError(f"--pool must be service or embedded, not {pool!r}")
+            raise ReplayError(f"--pool must be service, embedded or files, not {pool!r}")
         from kvtier.store.base.config import policy_from_dict
         from kvtier.tiers.mooncake.service import PoolService
         address = f"127.0.0.1:{free_port()}"
@@ -204,6 +214,9 @@ class VllmCluster:
         if self.master is not None:
             self.master.stop()
             self.master = None
+        if self.segment_dir is not None:  # lenders remove their files; a crashed one's stay
+            shutil.rmtree(self.segment_dir, ignore_errors=True)
+            self.segment_dir = None
         if self.hosts is not None:
             self.hosts.close()
             self.hosts = None
