@@ -23,9 +23,9 @@ first one's whole prefill instead of after its first steps.
 
 Thread safety: `submit_*` are called from the model-runner thread; results are taken with
 `take_results`. A synchronous load (`load_now`) runs in the model-runner thread itself,
-beside the load thread; the two share the load staging buffers, one at a time. On CUDA, loads run on
-a side stream that is synchronised before a request is reported, and a save waits for the
-event recorded after its device-to-host copy.
+beside the load thread; the two share the load staging buffers, one at a time. On CUDA,
+loads run on a side stream that is synchronised before a request is reported, and a save
+waits for the event recorded after its device-to-host copy.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ class IOThread:
             log.warning("kvtier: I/O threads still busy after %.0fs at shutdown; queued saves "
                         "are abandoned (they become misses)", timeout_s)
 
-    # ---- the thread ---------------------------------------------------------------------
+    # ---- the threads --------------------------------------------------------------------
 
     def _run_loads(self) -> None:
         while True:
