@@ -165,6 +165,20 @@ def test_engine_spec_errors_name_the_option():
             EngineSpec(**kw).check()
 
 
+def sealed_frames(model: str, n: int, payload: int) -> tuple[list[str], list]:
+    """`n` block keys of a namespace of `model` and a sealed frame of `payload` bytes each."""
+    from kvtier.store.base import block
+    from kvtier.store.base.keys import Namespace, block_keys
+
+    keys = block_keys(Namespace(model=model, chunk_tokens=16), range(16 * n))
+    frames = []
+    for key in keys:
+        f = block.alloc_aligned(block.frame_size(payload, block.PAGE))
+        block.seal(f, key, payload)
+        frames.append(f)
+    return keys, frames
+
+
 def test_engines_of_a_files_pool_copy_each_others_blocks_out_of_their_files(tmp_path,
                                                                           mooncake_master):
     """`--pool files`: each engine lends its share from a file in the run's /dev/shm
@@ -172,9 +186,7 @@ def test_engines_of_a_files_pool_copy_each_others_blocks_out_of_their_files(tmp_
     import shutil
     import tempfile
 
-    from kvtier.store.base import block
     from kvtier.store.base.config import policy_from_dict
-    from kvtier.store.base.keys import Namespace, block_keys
     from kvtier.store.tiered import TieredStore
     from kvtier.tools.replay.cluster import Config, node_policy
     from kvtier.tools.replay.vllm_cluster import SEGMENT_TMPFS
@@ -189,12 +201,7 @@ def test_engines_of_a_files_pool_copy_each_others_blocks_out_of_their_files(tmp_
 
         assert policy("n0").tiers[0].segment_dir == str(segments)
         payload = 100_000
-        keys = block_keys(Namespace(model="replay-parts-files", chunk_tokens=16), range(16 * 32))
-        frames = []
-        for key in keys:
-            f = block.alloc_aligned(block.frame_size(payload, block.PAGE))
-            block.seal(f, key, payload)
-            frames.append(f)
+        keys, frames = sealed_frames("replay-parts-files", 32, payload)
         with TieredStore(policy("n0"), node_id="n0", mover=False) as a, \
                 TieredStore(policy("n1"), node_id="n1", mover=False) as b:
             assert len(list(segments.iterdir())) == 2  # one lender's file each
@@ -214,9 +221,7 @@ def test_engines_on_one_pool_service_read_its_usage_from_the_master(tmp_path, mo
     """The policies the replay gives engines that join one pool service: each reads the
     service segment's usage from the master, so another engine's puts count (counting its
     own puts alone, no engine ever saw the pool fill and the master did all the evicting)."""
-    from kvtier.store.base import block
     from kvtier.store.base.config import MasterConfig, policy_from_dict
-    from kvtier.store.base.keys import Namespace, block_keys
     from kvtier.store.tiered import TieredStore
     from kvtier.tiers.mooncake.master import free_port
     from kvtier.tiers.mooncake.service import PoolService
@@ -232,12 +237,7 @@ def test_engines_on_one_pool_service_read_its_usage_from_the_master(tmp_path, mo
             metrics_port=mooncake_master.metrics_port))
 
     payload = 200_000
-    keys = block_keys(Namespace(model="replay-parts", chunk_tokens=16), range(16 * 8))
-    frames = []
-    for key in keys:
-        f = block.alloc_aligned(block.frame_size(payload, block.PAGE))
-        block.seal(f, key, payload)
-        frames.append(f)
+    keys, frames = sealed_frames("replay-parts", 8, payload)
     master = MasterConfig(address=mooncake_master.address, embedded=False, run_dir=run)
     with PoolService(policy("service").tiers[0], master), \
             TieredStore(policy("n0"), node_id="n0", mover=False) as a, \
