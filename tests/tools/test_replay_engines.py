@@ -7,6 +7,7 @@ prefix caches, against a DRAM-only pool of the same size); none is a fixed timin
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -73,6 +74,10 @@ def test_vllm_two_engines_round_robin_kvtier_beats_their_own_prefix_caches(tmp_p
     # persisted block; the indexes keep no record of pool blocks (the master has them)
     held = report["runs"][0]["configs"]["kvtier"]["held"]
     assert held["shared"]["blocks"] > 0 and "dram" not in held
+    # the default pool is the README's: each engine lends its share from a file (two 16 MiB
+    # segments fit even Docker's 64 MiB /dev/shm), and the run's directory is gone after
+    assert report["runs"][0]["configs"]["kvtier"]["pool"] == "files"
+    assert not list(Path("/dev/shm").glob("kvtier-replay-*"))
 
 
 @pytest.mark.vllm

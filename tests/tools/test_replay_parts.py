@@ -165,6 +165,27 @@ def test_engine_spec_errors_name_the_option():
             EngineSpec(**kw).check()
 
 
+def test_the_pool_is_the_readmes_segment_files_unless_the_tmpfs_cannot_hold_them():
+    """`--pool auto` (the default): segment files on one host, the pool service when the
+    tmpfs is too small for the engines' files (saying so), TCP across hosts; an explicit
+    choice is kept, and `files` that cannot fit is an error naming the fixes."""
+    from kvtier.tools.replay.vllm_cluster import choose_pool
+
+    MiB = 1 << 20
+    assert choose_pool("auto", 1, 96 * MiB, 24 << 30) == ("files", None)
+    pool, why = choose_pool("auto", 1, 96 * MiB, 64 * MiB)  # Docker's default /dev/shm
+    assert pool == "service" and "64 MiB free" in why and "96 MiB" in why
+    assert choose_pool("auto", 3, 96 * MiB, 24 << 30) == ("embedded", None)
+    for pool in ("service", "embedded"):
+        assert choose_pool(pool, 1, 96 * MiB, 0) == (pool, None)
+    with pytest.raises(ReplayError, match="--shm-size.*--pool service"):
+        choose_pool("files", 1, 96 * MiB, 64 * MiB)
+    with pytest.raises(ReplayError, match="--pool"):
+        choose_pool("tcp", 1, 0, 0)
+    assert EngineSpec().pool == "auto"
+    EngineSpec(engine="vllm").check()
+
+
 def sealed_frames(model: str, n: int, payload: int) -> tuple[list[str], list]:
     """`n` block keys of a namespace of `model` and a sealed frame of `payload` bytes each."""
     from kvtier.store.base import block

@@ -157,10 +157,11 @@ def replay(
                                   "wait in the harness, counted in TTFT)"),
     side_by_side: bool = typer.Option(False, help="vllm: run the configurations at the same "
                                       "time (background load hits each alike)"),
-    pool: str = typer.Option("service", help="vllm: service (the engines join one pool "
-                             "service, shared memory) | embedded (each lends a segment, TCP) "
-                             "| files (each lends a segment from a /dev/shm file the others "
-                             "copy from)"),
+    pool: str = typer.Option("auto", help="vllm: files (each lends a segment from a "
+                             "/dev/shm file the others copy from: the README's setup) | "
+                             "service (the engines join one pool service, shared memory) | "
+                             "embedded (each lends a segment, TCP) | auto (files on one host "
+                             "when /dev/shm has room, else service; embedded with --hosts)"),
     multiproc: bool = typer.Option(False, "--multiproc", help="vllm: vLLM's multi-process "
                                    "engine, as behind `vllm serve` (scheduler and worker "
                                    "apart; slower on few cores)"),

@@ -55,7 +55,7 @@ class EngineSpec:
     max_context: int = 16_384
     max_batch: int = 8
     side_by_side: bool = False      # vllm: run the configurations at the same time
-    pool: str = "service"           # vllm: the engines join one pool service | each lends
+    pool: str = "auto"              # vllm: auto | files | service | embedded (`VllmCluster`)
     multiproc: bool = False         # vllm: scheduler and worker in processes of their own
     dtype: str = "bfloat16"
     eviction: str = "lru"
@@ -98,8 +98,9 @@ class EngineSpec:
             raise ReplayError("--instances, --scale and --speed must be positive")
         if self.hosts < 1:
             raise ReplayError(f"--hosts must be at least 1, got {self.hosts}")
-        if self.pool not in ("service", "embedded", "files"):
-            raise ReplayError(f"--pool: expected service, embedded or files, got {self.pool!r}")
+        if self.pool not in ("auto", "files", "service", "embedded"):
+            raise ReplayError(f"--pool: expected auto, files, service or embedded, got "
+                              f"{self.pool!r}")
         if self.shared_fs not in ("dir", "glusterfs"):
             raise ReplayError(f"--shared-fs: expected dir or glusterfs, got {self.shared_fs!r}")
         if self.shared_fs == "glusterfs":

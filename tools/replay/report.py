@@ -42,11 +42,19 @@ def legend(label: str, c: dict) -> str:
     return f"{label} ({KINDS.get(c['kind'], (c['kind'], ''))[0]})"
 
 
+# How kvtier's engines shared the pool (`--pool`), for the footnote.
+POOLS = {"files": "each engine lends its share from a /dev/shm file the others copy from",
+         "service": "the engines join one pool service through shared memory",
+         "embedded": "each engine lends its share over TCP"}
+
+
 def _footnote(run: dict) -> str:
     kinds = {c["kind"] for c in run["configs"].values()}
+    pools = sorted({c["pool"] for c in run["configs"].values() if c.get("pool")})
     lines = [f"  {k}: {KINDS[k][1]}" + (" (DRAM pool: % of the working set, the bytes "
                                          "of every distinct block)" if k == "kvtier" else "")
              for k in KINDS if k in kinds]
+    lines += [f"  kvtier's pool ({p}): {POOLS.get(p, p)}" for p in pools]
     return "\n".join(lines)
 
 

@@ -55,7 +55,7 @@ def run_config(ctx: RunCtx, cfg: Config, root: Path, ui) -> tuple[list[dict], di
         records = _replay_vllm(ctx, cfg, cluster, ui, update)
     finally:
         cluster.close()
-    extra = {"tier_names": tier_names(cfg), "held": cluster.held()}
+    extra = _cluster_extra(cfg, cluster)
     if (split := cluster.pool_split()) is not None:
         extra["pool_hits_by_host"] = split
     return records, extra
@@ -76,8 +76,17 @@ def run_side_by_side(ctx: RunCtx, cfgs: list[Config], roots: list[Path], ui) -> 
     finally:
         for c in clusters:
             c.close()
-    return [(records[k], {"tier_names": tier_names(cfgs[k]), "held": clusters[k].held()})
-            for k in range(len(cfgs))]
+    return [(records[k], _cluster_extra(cfgs[k], clusters[k])) for k in range(len(cfgs))]
+
+
+def _cluster_extra(cfg: Config, cluster) -> dict:
+    """What a configuration's report says of its cluster: its tiers, what each node's index
+    held at the end and, for kvtier's, how the engines shared the pool (`--pool auto`
+    picks per run)."""
+    extra = {"tier_names": tier_names(cfg), "held": cluster.held()}
+    if cfg.uses_store:
+        extra["pool"] = cluster.pool
+    return extra
 
 
 def _vllm_cluster(ctx: RunCtx, cfg: Config, root: Path, ui, clusters: int = 1):

@@ -1,11 +1,14 @@
 """Real engines for `kvtier replay --engine vllm`: N vLLM processes on one kvtier cluster.
 
 `VllmCluster(root, cfg, ...)` starts, for one configuration (`tools.replay.cluster`), a
-fresh `mooncake_master` and (with `pool="service"`, the default) the node's pool service
-holding the whole pool, which the engines join through shared memory (unless the
-configuration has no store); with `pool="files"` each engine lends its share from a file
-in a /dev/shm directory of the run's own, which the others copy straight out of
-(`segment_dir`), and with `pool="embedded"` over TCP; `start()` N engine processes
+fresh `mooncake_master` and the pool its engines share (unless the configuration has no
+store): with `pool="files"` each engine lends its share from a file in a /dev/shm directory
+of the run's own, which the others copy straight out of (`segment_dir`, the README's setup
+for engines on one node), with `pool="service"` the node's pool service holds the whole
+pool and the engines join it through shared memory, and with `pool="embedded"` each lends
+its share over TCP; `pool="auto"` (the default) is files on one host when /dev/shm has
+room for the shares, else the service, and embedded across hosts (`choose_pool`);
+`start()` N engine processes
 (`tools.vllm_engine.Engine`: the tiny random model, one process each, started in parallel),
 each with the same KV cache size (`num_blocks`) and, for store configurations, the kvtier
 connector with its node's policy (own index and nvme dir, one shared dir). It warms each
@@ -40,6 +43,40 @@ from kvtier.tools.vllm_engine import Completion, Engine, EngineError, kvtier_tra
 
 WARMUP_SEED = 987_654_321
 SEGMENT_TMPFS = "/dev/shm"  # `pool="files"`: where the lenders' files go
+POOLS = ("auto", "files", "service", "embedded")
+
+
+def tmpfs_free(directory: str = SEGMENT_TMPFS) -> int:
+    """Bytes a new file in `directory` may still take (0 when it is not there)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def choose_pool(pool: str, hosts: int, need: int, free: int) -> tuple[str, str | None]:
+    """The pool the engines share, and a line saying why when `auto` did not pick files.
+    `need`: the bytes the lenders' files take (every engine's share), `free`: what the
+    tmpfs holds (`tmpfs_free`). Files are the README's setup for engines on one node (a
+    load copies out of the lender's file, no other process in its path); across hosts
+    the engines lend over TCP; a tmpfs too small for the files (Docker's /dev/shm is 64 MiB
+    unless `--shm-size` says more) takes the pool service, whose memory is not on it. An
+    explicit `files` that does not fit is an error, raised here rather than at the
+    engines' start."""
+    if pool not in POOLS:
+        raise ReplayError(f"--pool must be one of {', '.join(POOLS)}, not {pool!r}")
+    if pool == "auto" and hosts > 1:
+        return "embedded", None
+    if pool not in ("auto", "files") or need <= free:
+        return ("files" if pool == "auto" else pool), None
+    short = (f"{SEGMENT_TMPFS} has {free >> 20} MiB free, the engines' segment files need "
+             f"{need >> 20} MiB")
+    if pool == "files":
+        raise ReplayError(f"--pool files: {short}; grow the tmpfs (docker run --shm-size) or "
+                          "use --pool service")
+    return "service", (f"{short}: the engines join a pool service instead (grow the tmpfs, "
+                       "docker run --shm-size, for the README's setup)")
 
 
 class VllmBackend:
@@ -70,7 +107,7 @@ class VllmCluster:
     def __init__(self, root: Path, cfg: Config, n: int, model: Path, sizing: Sizing, *,
                  chunk_tokens: int, block_size: int, num_blocks: int, max_model_len: int,
                  dtype: str, eviction: str, admission: str, engines_alongside: int = 1,
-                 pool: str = "service", inproc: bool = True, hosts: int = 1,
+                 pool: str = "auto", inproc: bool = True, hosts: int = 1,
                  shared_fs: str = "dir", say=print):
         self.root, self.cfg, self.n = root, cfg, n
         self.master: EmbeddedMaster | None = None
@@ -82,6 +119,12 @@ class VllmCluster:
         self.policies: list[dict | None] = [None] * n
         self.prefixes: list[list[str] | None] = [None] * n
         root.mkdir(parents=True, exist_ok=True)
+        need = (sizing.segment_bytes(cfg.dram_frac) * n * engines_alongside
+                if cfg.uses_store else 0)
+        pool, why = choose_pool(pool, hosts, need, tmpfs_free())
+        if why and cfg.uses_store:
+            say(f"[{cfg.label}] {why}")
+        self.pool = pool
         if cfg.uses_store and hosts > 1:
             if pool == "service":
                 raise ReplayError("--hosts with --pool service: a pool service serves the "
@@ -132,8 +175,6 @@ class VllmCluster:
         N engines' shares), on this thread; return its address."""
         if pool in ("embedded", "files"):
             return None
-        if pool != "service":
-            raise ReplayError(f"--pool must be service, embedded or files, not {pool!r}")
         from kvtier.store.base.config import policy_from_dict
         from kvtier.tiers.mooncake.service import PoolService
         address = f"127.0.0.1:{free_port()}"
