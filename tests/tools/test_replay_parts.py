@@ -270,3 +270,30 @@ def test_engines_on_one_pool_service_read_its_usage_from_the_master(tmp_path, mo
         used = pool.used_bytes()
         assert used >= 8 * payload  # a's puts, read from the master
         assert pool.own_share(used) == 0.0 and a.tiers[0].own_share(used) == 1.0
+
+
+def test_peer_targets_ask_a_lead_of_30_points_over_a_dram_only_peer_below_the_working_set():
+    """The report's peer rows: at least the peer's hit rate with a pool that holds the
+    working set; 30 points above a DRAM-only peer with one that does not (said when an
+    infinite cache leaves less room); never against a peer with a disk tier of its own;
+    TTFT at most and throughput at least the peer's."""
+    from kvtier.tools.replay.targets import evaluate
+
+    def cfg(kind, frac, hit, tput=100.0):
+        return {"kind": kind, "dram_frac": frac, "overall": {
+            "hit_rate": hit, "ttft_p50_s": 0.1, "ttft_p99_s": 1.0, "throughput_tps": tput}}
+
+    run = {"instances": 4, "reuse_bound_pct": 95.3, "configs": {
+        "kvtier@150%": cfg("kvtier", 1.5, 95.1), "kvtier@25%": cfg("kvtier", 0.25, 95.0),
+        "mooncake-store@150%": cfg("mooncake-store", 1.5, 95.1, tput=120.0),
+        "mooncake-store@25%": cfg("mooncake-store", 0.25, 64.0),
+        "lmcache@25%": cfg("lmcache", 0.25, 66.0),
+        "mooncake-store+ssd@25%": cfg("mooncake-store+ssd", 0.25, 90.0)}}
+    rows = {r["what"]: r for r in evaluate({"runs": [run]})}
+    assert rows["kvtier@150% hit rate % against mooncake-store@150%"]["ok"]
+    assert rows["kvtier@25% hit rate % against mooncake-store@25%"]["ok"]  # 95.0 >= 94.0
+    lm = rows["kvtier@25% hit rate % against lmcache@25%"]
+    assert not lm["ok"] and lm["target"] == ">= 96.0" and "infinite cache's 95.3%" in lm["note"]
+    assert rows["kvtier@25% hit rate % against mooncake-store+ssd@25%"]["target"] == ">= 90.0"
+    assert not rows["kvtier@150% throughput / mooncake-store@150%'s"]["ok"]
+    assert rows["kvtier@25% throughput / lmcache@25%'s"]["ok"]
