@@ -31,6 +31,7 @@ from kvtier.store.base.errors import KVTierError
 PEERS = ("mooncake-store", "mooncake-store+ssd", "lmcache")
 KINDS = ("kvtier", "dram-only", "local", *PEERS)
 MIN_SEGMENT = 16 << 20  # Mooncake's smallest segment
+POOLS = ("auto", "files", "service", "embedded")  # how real engines share the pool (`--pool`)
 MODEL_NAME = "tiny-llama"
 
 

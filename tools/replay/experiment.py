@@ -23,7 +23,7 @@ import numpy as np
 
 from kvtier.store.base import block
 from kvtier.tools.jsonout import plain
-from kvtier.tools.replay.cluster import PEERS, Config, ReplayError, Sizing, configs
+from kvtier.tools.replay.cluster import PEERS, POOLS, Config, ReplayError, Sizing, configs
 from kvtier.tools.replay.metrics import summarize
 from kvtier.tools.replay.plan import Plan, PlanSpec, make_plan
 from kvtier.tools.replay.router import ROUTERS
@@ -98,9 +98,8 @@ class EngineSpec:
             raise ReplayError("--instances, --scale and --speed must be positive")
         if self.hosts < 1:
             raise ReplayError(f"--hosts must be at least 1, got {self.hosts}")
-        if self.pool not in ("auto", "files", "service", "embedded"):
-            raise ReplayError(f"--pool: expected auto, files, service or embedded, got "
-                              f"{self.pool!r}")
+        if self.pool not in POOLS:
+            raise ReplayError(f"--pool: expected one of {', '.join(POOLS)}, got {self.pool!r}")
         if self.shared_fs not in ("dir", "glusterfs"):
             raise ReplayError(f"--shared-fs: expected dir or glusterfs, got {self.shared_fs!r}")
         if self.shared_fs == "glusterfs":

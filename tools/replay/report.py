@@ -43,7 +43,7 @@ def legend(label: str, c: dict) -> str:
 
 
 # How kvtier's engines shared the pool (`--pool`), for the footnote.
-POOLS = {"files": "each engine lends its share from a /dev/shm file the others copy from",
+POOL_KINDS = {"files": "each engine lends its share from a /dev/shm file the others copy from",
          "service": "the engines join one pool service through shared memory",
          "embedded": "each engine lends its share over TCP"}
 
@@ -54,7 +54,7 @@ def _footnote(run: dict) -> str:
     lines = [f"  {k}: {KINDS[k][1]}" + (" (DRAM pool: % of the working set, the bytes "
                                          "of every distinct block)" if k == "kvtier" else "")
              for k in KINDS if k in kinds]
-    lines += [f"  kvtier's pool ({p}): {POOLS.get(p, p)}" for p in pools]
+    lines += [f"  kvtier's pool ({p}): {POOL_KINDS.get(p, p)}" for p in pools]
     return "\n".join(lines)
 
 

@@ -35,15 +35,14 @@ from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 from kvtier.tools.bench.peer_pool import start_peer_pool
 from kvtier.tools.bench.peer_systems import PeerUnavailable
-from kvtier.tools.replay.cluster import (PEERS, Config, ReplayError, Sizing, node_policy,
-                                         pool_split)
+from kvtier.tools.replay.cluster import (PEERS, POOLS, Config, ReplayError, Sizing,
+                                         node_policy, pool_split)
 from kvtier.tools.replay.plan import VOCAB, Plan
 from kvtier.tools.threads import in_threads
 from kvtier.tools.vllm_engine import Completion, Engine, EngineError, kvtier_transfer_config
 
 WARMUP_SEED = 987_654_321
 SEGMENT_TMPFS = "/dev/shm"  # `pool="files"`: where the lenders' files go
-POOLS = ("auto", "files", "service", "embedded")
 
 
 def tmpfs_free(directory: str = SEGMENT_TMPFS) -> int:
