@@ -297,3 +297,27 @@ def test_peer_targets_ask_a_lead_of_30_points_over_a_dram_only_peer_below_the_wo
     assert rows["kvtier@25% hit rate % against mooncake-store+ssd@25%"]["target"] == ">= 90.0"
     assert not rows["kvtier@150% throughput / mooncake-store@150%'s"]["ok"]
     assert rows["kvtier@25% throughput / lmcache@25%'s"]["ok"]
+
+
+def test_a_tmpfs_too_small_for_the_segment_files_gives_the_engines_a_pool_service(
+        tmp_path, monkeypatch):
+    """A cluster whose /dev/shm cannot hold its engines' shares starts the node's pool
+    service for them (its memory is not on the tmpfs), says so with the fix, and makes no
+    segment directory; the report names the pool."""
+    from kvtier.tools.replay import vllm_cluster
+    from kvtier.tools.replay.cluster import Config
+
+    monkeypatch.setattr(vllm_cluster, "tmpfs_free", lambda directory="": 64 << 20)
+    said: list[str] = []
+    sizing = Sizing(block_bytes=64 << 10, working_set_bytes=256 << 20, instances=2)
+    cluster = vllm_cluster.VllmCluster(
+        tmp_path, Config("kvtier", 1.5, "kvtier"), 2, tmp_path / "model", sizing,
+        chunk_tokens=32, block_size=32, num_blocks=64, max_model_len=1024, dtype="float32",
+        eviction="lru", admission="reuse", say=said.append)
+    try:
+        assert cluster.pool == "service" and cluster.service is not None
+        assert cluster.segment_dir is None
+        assert all(p["tiers"][0].get("service") for p in cluster.policies)
+        assert len(said) == 1 and "64 MiB free" in said[0] and "--shm-size" in said[0]
+    finally:
+        cluster.close()
