@@ -44,8 +44,8 @@ def legend(label: str, c: dict) -> str:
 
 # How kvtier's engines shared the pool (`--pool`), for the footnote.
 POOL_KINDS = {"files": "each engine lends its share from a /dev/shm file the others copy from",
-         "service": "the engines join one pool service through shared memory",
-         "embedded": "each engine lends its share over TCP"}
+              "service": "the engines join one pool service through shared memory",
+              "embedded": "each engine lends its share over TCP"}
 
 
 def _footnote(run: dict) -> str:

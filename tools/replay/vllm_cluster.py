@@ -48,10 +48,9 @@ SEGMENT_TMPFS = "/dev/shm"  # `pool="files"`: where the lenders' files go
 def tmpfs_free(directory: str = SEGMENT_TMPFS) -> int:
     """Bytes a new file in `directory` may still take (0 when it is not there)."""
     try:
-        st = os.statvfs(directory)
+        return shutil.disk_usage(directory).free
     except OSError:
         return 0
-    return st.f_bavail * st.f_frsize
 
 
 def choose_pool(pool: str, hosts: int, need: int, free: int) -> tuple[str, str | None]:
@@ -121,7 +120,7 @@ class VllmCluster:
         need = (sizing.segment_bytes(cfg.dram_frac) * n * engines_alongside
                 if cfg.uses_store else 0)
         pool, why = choose_pool(pool, hosts, need, tmpfs_free())
-        if why and cfg.uses_store:
+        if why:  # only ever said when there are segment files to place (need > 0)
             say(f"[{cfg.label}] {why}")
         self.pool = pool
         if cfg.uses_store and hosts > 1:
