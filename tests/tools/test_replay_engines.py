@@ -63,6 +63,7 @@ def test_sim_small_dram_pool_keeps_hits_with_tiers_below_where_dram_only_loses_t
 @pytest.mark.vllm
 def test_vllm_two_engines_round_robin_kvtier_beats_their_own_prefix_caches(tmp_path):
     pytest.importorskip("vllm")
+    from kvtier.tools.replay.vllm_cluster import SEGMENT_TMPFS
     report = replay(tmp_path, "--engine", "vllm", "--instances", "2", "--sessions", "3",
                     "--turns", "3", "--scale", "0.05", "--speed", "4",
                     "--baselines", "local")
@@ -77,7 +78,7 @@ def test_vllm_two_engines_round_robin_kvtier_beats_their_own_prefix_caches(tmp_p
     # the default pool is the README's: each engine lends its share from a file (two 16 MiB
     # segments fit even Docker's 64 MiB /dev/shm), and the run's directory is gone after
     assert report["runs"][0]["configs"]["kvtier"]["pool"] == "files"
-    assert not list(Path("/dev/shm").glob("kvtier-replay-*"))
+    assert not list(Path(SEGMENT_TMPFS).glob("kvtier-replay-*"))
 
 
 @pytest.mark.vllm
