@@ -73,12 +73,15 @@ MODEL_KINDS = tuple(BLOCK_SIZE)
 # `LLM(...)` arguments each kind needs on the CPU build. The CPU `rotary_embedding` kernel
 # rotated the rope part of some of MLA's latent rows twice (measured: the first tokens an
 # engine computed after a hit, their k_pe turned by a second position), so the MLA model
-# takes vLLM's native rope; with it a hit gives the cold engine's tokens exactly.
+# takes vLLM's native rope; with it a hit gives the cold engine's tokens exactly. On a host
+# with AMX tiles vLLM prefers its AMX MLA backend, which takes 16-bit weights only; the
+# reference CPU backend runs the float32 model on every host.
 ENGINE_ARGS: dict[str, dict[str, Any]] = {
     "llama": {}, "swa": {}, "hybrid": {"enable_prefix_caching": False},
     "nemotronh": {"enable_prefix_caching": False},
     "qwen3next": {"enable_prefix_caching": False, "dtype": "bfloat16"},
-    "mla": {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}}
+    "mla": {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]},
+            "attention_config": {"backend": "CPU_MLA"}}}
 
 
 def _build(kind: str, overrides: dict[str, Any]):
