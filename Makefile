@@ -47,7 +47,9 @@ $(VENV)/.stamp-install: pyproject.toml
 	@touch $@
 
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not alone" $(PYTEST_ARGS)
+	@# A worker that dies (killed, out of memory) fails the run naming its test; replacing it
+	@# can leave --dist loadfile waiting forever (pytest-xdist).
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0 -m "not alone" $(PYTEST_ARGS)
 	$(PY) -m pytest -m alone $(PYTEST_ARGS)
 
 demo: setup

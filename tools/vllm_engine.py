@@ -53,6 +53,8 @@ from kvtier.connector.harness.tiny_models import (  # noqa: F401 (re-exported)
     make_tiny_model)
 from kvtier.store.base.config import kvtier_home
 
+MAX_MODEL_LEN = 20480  # an engine's default longest prompt + output, in tokens
+
 
 def logged_namespaces(log: str) -> dict[str, list[str]]:
     """{group kind: namespace fingerprints, in order} from the connector's start lines in
@@ -171,7 +173,7 @@ class Engine:
 
     def __init__(self, model: str | os.PathLike[str], log_path: str | os.PathLike[str], *,
                  kv_transfer_config: dict | None = None, block_size: int = 32,
-                 max_model_len: int = 20480, kv_cache_gib: int = 1,
+                 max_model_len: int = MAX_MODEL_LEN, kv_cache_gib: int = 1,
                  num_blocks: int | None = None, dtype: str = "bfloat16", inproc: bool = True,
                  env: dict[str, str] | None = None, engine_args: dict | None = None,
                  startup_timeout_s: float = 600, prefix: list[str] | None = None,

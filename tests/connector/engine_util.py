@@ -4,7 +4,8 @@
   one shared directory (the sharedfs tier every instance sees) and one directory per node
   (its index and nvme tier); `policy(node)` is that node's inline policy.
 - `Engines`: engine processes started on first use and kept for the whole test module
-  (startup is the slow part on two cores), closed at the end.
+  (startup is the slow part on two cores), a few at a time, each with a KV cache sized to
+  the tiny model; closed at the end.
 - `chunk_keys(prompt)`: the kvtier keys of a prompt's chunks, computed as the connector does.
 
 Engines compute in float32: greedy tokens of a random model flip on bf16 rounding when only
@@ -22,13 +23,15 @@ import pytest
 from kvtier.store.base.config import MasterConfig
 from kvtier.tiers.mooncake.master import EmbeddedMaster, free_port
 from kvtier.tools.threads import in_threads
-from kvtier.tools.vllm_engine import (BLOCK_SIZE, Engine, Output, kvtier_transfer_config,
-                                      make_tiny_model, prompt_keys, random_prompt)
+from kvtier.tools.vllm_engine import (BLOCK_SIZE, MAX_MODEL_LEN, Engine, Output,
+                                      kvtier_transfer_config, make_tiny_model, prompt_keys,
+                                      random_prompt)
 
 BLOCK = 32
 CHUNK = 64
 DTYPE = "float32"
 MODEL_NAME = "tiny-llama"
+MAX_ALIVE = 4  # engines a module keeps started at once
 
 __all__ = ["BLOCK", "BLOCK_SIZE", "CHUNK", "Cluster", "Engines", "Output", "chunk_keys",
            "make_tiny_model", "random_prompt", "full_block_tokens", "kvtier_transfer_config", "save_tokenizer"]
@@ -130,6 +133,15 @@ def cluster(tmp_path_factory):
     c.close()
 
 
+def kv_blocks_for(kw: dict) -> int:
+    """The KV cache of a test engine, in blocks: eight prompts of the longest length the
+    engine takes. The engine's default (a 1 GiB KV space) is that many times a tiny model's
+    need and is touched at start: a module's dozen engines beside another module's would
+    hold most of a 24 GiB CI host."""
+    max_len = kw.get("max_model_len", MAX_MODEL_LEN)
+    return 8 * -(-max_len // kw.get("block_size", BLOCK))
+
+
 class Engines:
     """Named engine processes, started on first use, shared by a module's tests."""
 
@@ -140,10 +152,17 @@ class Engines:
         self._baseline_outputs: dict[tuple, Output] = {}
 
     def get(self, name: str, kv_transfer_config: dict | None = None, **kw) -> Engine:
+        """Engine `name`, started on first use. Past `MAX_ALIVE` engines the one used least
+        recently is closed first (a test uses a few; a module's dozen at once, beside
+        another module's, would crowd a 24 GiB CI host)."""
         if name not in self._engines:
+            while len(self._engines) >= MAX_ALIVE:
+                self.stop(next(iter(self._engines)))
             kw.setdefault("dtype", DTYPE)
+            kw.setdefault("num_blocks", kv_blocks_for(kw))
             self._engines[name] = Engine(self.model, self.logs / f"{name}.log",
                                          kv_transfer_config=kv_transfer_config, **kw)
+        self._engines[name] = self._engines.pop(name)  # the most recently used last
         return self._engines[name]
 
     def stop(self, name: str) -> None:
