@@ -140,12 +140,22 @@ def test_leader_killed_five_times(tmp_path):
 
 def test_a_killed_client_child_leaves_no_server(tmp_path):
     """The measuring child's masters and etcd die with it (teardown of a killed run)."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.tools.bench.failover", "--mode",
-                             "ha", "--kills", "1", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_path = tmp_path / "child.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier.tools.bench.failover", "--mode",
+                                 "ha", "--kills", "1", "--dir", str(tmp_path)],
+                                stdout=subprocess.DEVNULL, stderr=log)
     try:
-        wait_until(lambda: len(list(tmp_path.glob("master-*.log"))) >= 2, 60,
-                   "the child's masters")
+        # Bounded by the child's own start deadlines (etcd's, then each master's): a child
+        # that gives up exits, and its log says why.
+        try:
+            wait_until(lambda: len(list(tmp_path.glob("master-*.log"))) >= 2
+                       or proc.poll() is not None, 150, "the child's masters")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the child's log: {log_path.read_text()[-2000:]}; "
+                                 f"files: {sorted(p.name for p in tmp_path.iterdir())}") from e
+        assert proc.poll() is None, (f"the child exited ({proc.returncode}) before starting "
+                                     f"its masters: {log_path.read_text()[-2000:]}")
         children = _children(proc.pid)
         assert children, "the child started no servers"
     finally:
