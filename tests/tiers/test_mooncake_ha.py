@@ -152,10 +152,9 @@ def test_a_killed_client_child_leaves_no_server(tmp_path):
             wait_until(lambda: len(list(tmp_path.glob("master-*.log"))) >= 2
                        or proc.poll() is not None, 150, "the child's masters")
         except AssertionError as e:
-            raise AssertionError(f"{e}; the child's log: {log_path.read_text()[-2000:]}; "
-                                 f"files: {sorted(p.name for p in tmp_path.iterdir())}") from e
+            raise AssertionError(f"{e}; {_logs(tmp_path)}") from e
         assert proc.poll() is None, (f"the child exited ({proc.returncode}) before starting "
-                                     f"its masters: {log_path.read_text()[-2000:]}")
+                                     f"its masters; {_logs(tmp_path)}")
         children = _children(proc.pid)
         assert children, "the child started no servers"
     finally:
@@ -163,6 +162,12 @@ def test_a_killed_client_child_leaves_no_server(tmp_path):
         proc.wait()
     wait_until(lambda: not any(_alive(pid) for pid in children), 20,
                "the child's servers to die with it")
+
+
+def _logs(root) -> str:
+    """The tail of every log under `root` (the child's, etcd's, each master's)."""
+    return "; ".join(f"{p.relative_to(root)}: {p.read_text(errors='replace')[-800:]!r}"
+                     for p in sorted(root.rglob("*.log")))
 
 
 def _children(pid: int) -> list[int]:
