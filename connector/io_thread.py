@@ -82,6 +82,7 @@ class SaveBatch:
     hint: "SessionHint | None"
     ready: object | None = None  # a CUDA event to wait for before reading `buf.host`
     t0: float = field(default_factory=time.perf_counter)
+    step: int = 0  # the engine step that gathered it (`IOThread.submit_save` sets it)
 
 
 class LoadQueue:
@@ -138,9 +139,14 @@ def stage_save(paged: PagedKV, buf: FrameBuffer, block_ids: list[list[int]],
 class IOThread:
     def __init__(self, store: "TieredStore", paged: PagedKV, load_pool: StagingPool,
                  save_pool: StagingPool, blocks_per_chunk: int, payload_len: int,
-                 stats: "KVTierStats", stats_lock: threading.Lock, hold_saves_s: float = 0.0):
+                 stats: "KVTierStats", stats_lock: threading.Lock, hold_saves_s: float = 0.0,
+                 idle_s: float = 0.0):
         """`hold_saves_s`: how long a save may wait while its request's prefill continues
-        (`prefilling`); never once the engine would wait for a save buffer."""
+        (`prefilling`), and for the end of the step that gathered it (`step_ended`; told
+        or not, `idle_s` after the worker's part of the step: an idle engine); never once
+        the engine would wait for a save buffer. A step goes on after the worker's part to
+        sample its tokens (the first one, where a prefill ends): saves started then take
+        the core and the GIL from it."""
         self.store, self.paged = store, paged
         self.load_pool, self.save_pool = load_pool, save_pool
         self.m, self.payload_len = blocks_per_chunk, payload_len
@@ -149,6 +155,10 @@ class IOThread:
         self._loads = LoadQueue()  # earliest deadline first
         self._saves: collections.deque[SaveBatch] = collections.deque()
         self._cv = threading.Condition()
+        # The save thread waits on a condition of its own (the same lock), woken only when a
+        # queued save may have become takeable: on a CPU cache every needless wakeup during
+        # a prefill takes a core and the GIL from the forward.
+        self._save_cv = threading.Condition(self._cv._lock)  # type: ignore[attr-defined]
         self._stop = False
         self._failed_reqs: set[str] = set()
         self._done_loads: list[str] = []
@@ -158,6 +168,10 @@ class IOThread:
         self._busy = 0
         self._hold_s = hold_saves_s
         self._prefilling: frozenset[str] = frozenset()
+        self._idle_s = idle_s
+        self._step = 0         # engine steps ended (`step_ended`)
+        self._worked = -1      # the last step whose worker part is done (`prefilling`)
+        self._worked_at = 0.0  # when it was done
         self._collects = 0  # times the engine collected finished loads (`collect`)
         self._overtime: dict[int, int] = {}  # id of a load past its deadline: `_collects` then
         self._threads = [threading.Thread(target=run, name=name, daemon=True)
@@ -171,20 +185,38 @@ class IOThread:
     def submit_load(self, batches: list[LoadBatch]) -> None:
         with self._cv:
             self._loads.extend(batches)
-            self._cv.notify_all()  # two threads wait here: wake the one that loads
+            self._cv.notify_all()  # the load thread, and an engine in `wait_for_load`
 
     def submit_save(self, batch: SaveBatch) -> None:
         with self._cv:
+            batch.step = self._step
+            # The save thread arms its hold timer when a save arrives in an empty queue;
+            # later ones wake it only if the engine would wait for a buffer (a save goes
+            # no sooner than the end of the step gathering it: `prefilling` wakes it then).
+            wake = not self._saves or not self.save_pool.has_room()
             self._saves.append(batch)
-            self._cv.notify_all()
+            if wake:
+                self._save_cv.notify()
 
     def prefilling(self, req_ids: Iterable[str]) -> None:
-        """The requests whose prompts are still being computed after the step just run."""
-        now = frozenset(req_ids)
+        """The worker's part of the step is done (its saves queued); `req_ids`: the requests
+        whose prompts are still being computed after it."""
         with self._cv:
-            if now != self._prefilling:
-                self._prefilling = now
-                self._cv.notify_all()
+            self._prefilling = frozenset(req_ids)
+            self._worked, self._worked_at = self._step, time.perf_counter()
+            if any(job.step == self._step and job.req_id not in self._prefilling
+                   for job in self._saves):
+                self._save_cv.notify()  # to time their wait: the step's end may go untold
+
+    def step_ended(self) -> None:
+        """The engine's step is over (its outputs are out, or the next step began): the
+        saves it gathered may go, but for a prefill that goes on."""
+        with self._cv:
+            if self._worked != self._step:
+                return  # no worker part since the last end: told twice, or no step ran
+            self._step += 1
+            if any(job.req_id not in self._prefilling for job in self._saves):
+                self._save_cv.notify()
 
     def load_now(self, batches: list[LoadBatch]) -> None:
         """Run a synchronous load's batches in the calling thread, now (the step's forward
@@ -249,6 +281,7 @@ class IOThread:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+            self._save_cv.notify_all()
         end = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(0.0, end - time.monotonic()))
@@ -279,7 +312,7 @@ class IOThread:
                         break
                     if self._stop:  # nothing queued
                         return
-                    self._cv.wait(self._hold_left() if self._saves else None)
+                    self._save_cv.wait(self._wait_s() if self._saves else None)
                 self._busy += 1
             self._run_job(job)
 
@@ -294,16 +327,33 @@ class IOThread:
         """Seconds the oldest queued save may still wait for its prefill to end."""
         return max(0.0, self._saves[0].t0 + self._hold_s - time.perf_counter())
 
+    def _wait_s(self) -> float:
+        """Seconds until a queued save may go without anything else happening."""
+        if self._worked != self._step:
+            return self._hold_left()
+        return min(self._hold_left(), max(0.0, self._worked_at + self._idle_s
+                                          - time.perf_counter()))
+
+    def _waits(self, job: SaveBatch) -> bool:
+        """Whether `job` waits: its request's prefill goes on, or the step that gathered
+        it does (untold: `_idle_s` after its worker part); `_cv` held."""
+        if job.req_id in self._prefilling:
+            return True
+        if job.step != self._step:
+            return False
+        return self._worked != self._step \
+            or time.perf_counter() - self._worked_at < self._idle_s
+
     def _next_save(self) -> int | None:
         """The position of the first queued save that need not wait, if any: one whose
-        request's prefill is over, or the oldest once it has waited `_hold_s`, the engine
-        would wait for a save buffer, or the thread is stopping."""
+        request's prefill is over and whose step has ended (`_waits`), or the oldest once
+        it has waited `_hold_s`, the engine would wait for a save buffer, or the thread is
+        stopping."""
         if not self._saves:
             return None
         if self._stop or self._hold_left() <= 0 or not self.save_pool.has_room():
             return 0
-        return next((i for i, job in enumerate(self._saves)
-                     if job.req_id not in self._prefilling), None)
+        return next((i for i, job in enumerate(self._saves) if not self._waits(job)), None)
 
     def _take_save(self, i: int) -> SaveBatch:
         """Dequeue the save at `i` (`_next_save`'s answer)."""

@@ -164,6 +164,7 @@ class SchedulerSide:
             if cfg.tool_call_token_ids == "auto" else frozenset(cfg.tool_call_token_ids)
         self._running = 0  # requests scheduled and not finished (for `load: auto`)
         self.store = storeref.acquire(cfg.policy, cfg.node_id, mover=False)
+        self._step_ended = lambda: storeref.step_ended(cfg.policy, cfg.node_id)
         # The worker side is built first in a shared process (storeref): a store without a
         # mover means the workers, and the stores that act on sessions, are elsewhere.
         self.forward = not self.store.runs_mover
@@ -462,6 +463,7 @@ class SchedulerSide:
             st = self.reqs.get(req_id)
             if st is not None and st.promises:
                 self._settle(st, min(ranks.values()))
+        self._step_ended()  # a worker side in this process may start its saves
 
     def _share_prefill(self) -> None:
         """Publish this engine's prefill model once it has timed prefills (then every

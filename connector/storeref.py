@@ -6,17 +6,22 @@ client, one index handle) instead of opening two. The worker is built first and 
 mover; a scheduler-only process gets a lookup-only store (`mover=False`, lending no pool
 memory), which gains a mover if a worker side joins it later (still lending none: its puts
 go to other processes' segments). Reference counted: the last `release` closes the store.
+The sides of one process also share the end of each engine step (`on_step_end`): the
+scheduler side sees a step's outputs go out, which no worker hook does.
 """
 
 from __future__ import annotations
 
 import threading
 
+from typing import Callable
+
 from kvtier.store.base.config import Policy
 from kvtier.store.tiered import TieredStore
 
 _lock = threading.Lock()
 _stores: dict[tuple[str, str | None], list] = {}  # key -> [store, refcount]
+_step_ends: dict[tuple[str, str | None], list[Callable[[], None]]] = {}
 
 
 def _key(policy: Policy, node_id: str | None) -> tuple[str, str | None]:
@@ -53,3 +58,29 @@ def release(store: TieredStore) -> bool:
             return False
     store.close()
     return True
+
+
+def on_step_end(policy: Policy, node_id: str | None,
+                fn: Callable[[], None]) -> Callable[[], None]:
+    """Call `fn` whenever this process's scheduler side for `policy` ends a step
+    (`step_ended`); returns the call that stops it."""
+    key = _key(policy, node_id)
+    with _lock:
+        _step_ends.setdefault(key, []).append(fn)
+
+    def stop() -> None:
+        with _lock:
+            fns = _step_ends.get(key, [])
+            if fn in fns:
+                fns.remove(fn)
+            if not fns:
+                _step_ends.pop(key, None)
+    return stop
+
+
+def step_ended(policy: Policy, node_id: str | None) -> None:
+    """A step's outputs are out: tell the worker sides of this process (none: nothing)."""
+    with _lock:
+        fns = list(_step_ends.get(_key(policy, node_id), ()))
+    for fn in fns:
+        fn()

@@ -87,6 +87,7 @@ class WorkerSide:
         self.m = cfg.policy.chunk_tokens // self.shape.block_size
         self.num_blocks = kv_cache_config.num_blocks
         self.store = storeref.acquire(cfg.policy, cfg.node_id, mover=True)
+        self._unlisten = storeref.on_step_end(cfg.policy, cfg.node_id, self.step_ended)
         self.paged: PagedKV | None = None
         self.io: IOThread | None = None
         # several groups: request -> {group: [chunks asked, chunks loaded or None while
@@ -126,7 +127,8 @@ class WorkerSide:
             # prefill (BENCHMARKS.md, "Saves that wait for their prompt's prefill").
             hold = self.cfg.policy.mover.yield_to_prefill_s if device.type == "cpu" else 0.0
             g.io = IOThread(self.store, g.paged, load_pool, g.save_pool, g.m,
-                            payload_len, self.stats, self.stats_lock, hold)
+                            payload_len, self.stats, self.stats_lock, hold,
+                            self.cfg.policy.mover.idle_after_s)
             log.info("kvtier: %sKV layout %s%s, %d layers, %d-byte chunks, namespace %s",
                      f"{g.shape.kind} group {g.shape.group}: " if len(self.groups) > 1 else "",
                      g.paged.info.kind, " (fused)" if g.paged.info.fused else "",
@@ -186,6 +188,7 @@ class WorkerSide:
         """The step's metadata arrived; its forward starts now (timed for the scheduler's
         recompute model; on CUDA with events, as the forward runs asynchronously)."""
         self._forward = None
+        self.step_ended()  # the last step's, if nothing told it before
         if meta.prefill and self.store is not None:
             self.store.engine_busy(True)
         if meta.work[0] <= 0 or any(job.sync for job in meta.loads):
@@ -252,6 +255,12 @@ class WorkerSide:
         if self._forward is not None:  # the forward is done (on CUDA: queued) by now
             self._timed.append((*self._forward, self._now()))
             self._forward = None
+        if meta.saves:
+            self._require_registered()
+            for job in meta.saves:
+                if self.groups[job.group].saves:
+                    self._gather(job)
+        # After the gathers: what this releases (saves, persists) would compete with them.
         if self.store is not None:
             if meta.work[0] > 0:
                 self.store.engine_stepped()  # a decode too: persists wait for an idle engine
@@ -260,11 +269,13 @@ class WorkerSide:
             for g in self.groups.values():
                 if g.io is not None:
                     g.io.prefilling(meta.prefilling)
-        if meta.saves:
-            self._require_registered()
-            for job in meta.saves:
-                if self.groups[job.group].saves:
-                    self._gather(job)
+
+    def step_ended(self) -> None:
+        """The step is over: its outputs are out (told by the scheduler side when it shares
+        this process) or the next step began. Saves of the prefills it ended may go."""
+        for g in self.groups.values():
+            if g.io is not None:
+                g.io.step_ended()
 
     def _gather(self, job: SaveJob) -> None:
         group = self.groups[job.group]
@@ -377,6 +388,7 @@ class WorkerSide:
         if self._warming is not None:  # it registers buffers with the store closed below
             self._warming.join()
             self._warming = None
+        self._unlisten()
         if self.io is not None:
             # Said before the work: vLLM kills a worker whose stop takes longer than it
             # allows (README, Operations), and the log should show what was at stake.

@@ -38,7 +38,7 @@ def io(tmp_path, shared_master):
     """An I/O thread over a real store, two save buffers, saves held up to `hold` s."""
     made = []
 
-    def make(hold: float, buffers: int = 2):
+    def make(hold: float, buffers: int = 2, idle: float = 0.0):
         store = open_store(tmp_path, shared_master)
         raw = torch.randn(LAYERS, BLOCKS, HEADS, BLOCK_TOKENS, 2 * HEAD)
         paged = PagedKV({f"layers.{i}": raw[i] for i in range(LAYERS)}, BLOCKS, BLOCK_TOKENS)
@@ -47,7 +47,7 @@ def io(tmp_path, shared_master):
         saves = StagingPool(PER_BUFFER, stride, paged.device, buffers)
         loads = StagingPool(PER_BUFFER, stride, paged.device, 1)
         thread = IOThread(store, paged, loads, saves, 1, payload, KVTierStats(),
-                          threading.Lock(), hold_saves_s=hold)
+                          threading.Lock(), hold_saves_s=hold, idle_s=idle)
         made.append((thread, store))
         return thread, store, paged, saves
 
@@ -80,6 +80,49 @@ def test_a_save_waits_for_the_prefill_to_end(io):
     thread.prefilling(())
     wait_until(lambda: stored(store, keys), 10.0, "the held save after the prefill ended")
     assert time.monotonic() - t0 < 5.0
+
+
+def test_a_save_waits_for_the_end_of_the_step_that_ended_its_prefill(io):
+    """That step goes on to sample the first token: a save started with it would take the
+    core and the GIL the sampling needs."""
+    thread, store, paged, pool = io(hold=30.0, idle=30.0)
+    thread.prefilling({"r"})
+    keys = submit(thread, paged, pool, "ca")
+    thread.prefilling(())  # the prefill's last step computed; its step goes on
+    time.sleep(0.5)
+    assert thread.pending_saves() == 1 and not any(store.tiers[0].contains(keys))
+    t0 = time.monotonic()
+    thread.step_ended()
+    wait_until(lambda: stored(store, keys), 10.0, "the save once the step ended")
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_a_one_step_prompts_save_waits_for_its_steps_end(io):
+    thread, store, paged, pool = io(hold=30.0, idle=30.0)
+    keys = submit(thread, paged, pool, "cc")  # gathered by the step that computes it all
+    time.sleep(0.3)
+    thread.prefilling(())
+    time.sleep(0.3)
+    assert thread.pending_saves() == 1 and not any(store.tiers[0].contains(keys))
+    thread.step_ended()
+    wait_until(lambda: stored(store, keys), 10.0, "the save once its step ended")
+    thread.step_ended()  # told again (the next step's start): nothing more to release
+    later = submit(thread, paged, pool, "cd")
+    thread.prefilling(())
+    time.sleep(0.3)
+    assert not any(store.tiers[0].contains(later))  # this step has not ended
+
+
+def test_a_save_whose_step_end_goes_untold_waits_only_for_an_idle_engine(io):
+    """A worker in a process of its own learns of a step's end only from the next step: an
+    engine with nothing more to do must not keep what it computed unsaved."""
+    thread, store, paged, pool = io(hold=30.0, idle=0.3)
+    thread.prefilling({"r"})
+    keys = submit(thread, paged, pool, "cb")
+    t0 = time.monotonic()
+    thread.prefilling(())
+    wait_until(lambda: stored(store, keys), 10.0, "the save of an idle engine")
+    assert 0.3 <= time.monotonic() - t0 < 5.0
 
 
 def test_a_save_waits_at_most_the_hold(io):
@@ -116,6 +159,7 @@ def test_without_a_hold_saves_go_at_once(io):
 def test_loads_are_not_held_behind_a_held_save(io):
     thread, store, paged, pool = io(hold=30.0)
     keys = submit(thread, paged, pool, "ab")
+    thread.prefilling(())  # the worker's part of that step is done
     wait_until(lambda: stored(store, keys), 10.0, "a save before the prefill")
     thread.prefilling({"r"})
     held = submit(thread, paged, pool, "ac")

@@ -36,3 +36,22 @@ def test_a_worker_side_first_shares_its_mover(tmp_path):
     finally:
         storeref.release(sched)
         storeref.release(worker)
+
+
+def test_a_step_end_reaches_the_worker_sides_of_the_same_engine_only(tmp_path):
+    policy = _policy(tmp_path)
+    seen: list[str] = []
+    stop_a = storeref.on_step_end(policy, "a", lambda: seen.append("a"))
+    stop_b = storeref.on_step_end(policy, "b", lambda: seen.append("b"))
+    try:
+        storeref.step_ended(policy, "a")
+        assert seen == ["a"]
+        stop_a()
+        storeref.step_ended(policy, "a")  # no worker side listens: nothing
+        storeref.step_ended(policy, "b")
+        assert seen == ["a", "b"]
+    finally:
+        stop_a()  # idempotent
+        stop_b()
+    storeref.step_ended(policy, "b")
+    assert seen == ["a", "b"]
