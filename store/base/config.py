@@ -175,7 +175,8 @@ class MoverConfig(BaseModel):
     engine's steps; 0: never wait); on a CPU cache the worker's saves to the first tier wait
     as long at most. `idle_after_s`: how long after its last step the engine
     counts as idle (its steps follow each other within milliseconds while requests run;
-    an agent's next turn comes seconds later)."""
+    an agent's next turn comes seconds later); a CPU cache's saves, which wait for the end of
+    the step that gathered them, wait this long at most when nothing tells them."""
 
     model_config = _FROZEN
     buffer_bytes: Size = Field(default=256 << 20, alias="buffer", gt=0)
