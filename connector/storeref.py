@@ -13,7 +13,6 @@ scheduler side sees a step's outputs go out, which no worker hook does.
 from __future__ import annotations
 
 import threading
-
 from typing import Callable
 
 from kvtier.store.base.config import Policy

@@ -272,7 +272,8 @@ class WorkerSide:
 
     def step_ended(self) -> None:
         """The step is over: its outputs are out (told by the scheduler side when it shares
-        this process) or the next step began. Saves of the prefills it ended may go."""
+        this process) or the next step began. The saves it gathered may go (but for a
+        prefill that goes on)."""
         for g in self.groups.values():
             if g.io is not None:
                 g.io.step_ended()
