@@ -327,22 +327,22 @@ class IOThread:
         """Seconds the oldest queued save may still wait for its prefill to end."""
         return max(0.0, self._saves[0].t0 + self._hold_s - time.perf_counter())
 
+    def _step_left(self) -> float:
+        """Seconds the step in progress still counts as going on when nobody tells its end:
+        until its worker part is done, and `_idle_s` after that; `_cv` held."""
+        if self._worked != self._step:
+            return math.inf
+        return max(0.0, self._worked_at + self._idle_s - time.perf_counter())
+
     def _wait_s(self) -> float:
         """Seconds until a queued save may go without anything else happening."""
-        if self._worked != self._step:
-            return self._hold_left()
-        return min(self._hold_left(), max(0.0, self._worked_at + self._idle_s
-                                          - time.perf_counter()))
+        return min(self._hold_left(), self._step_left())
 
     def _waits(self, job: SaveBatch) -> bool:
         """Whether `job` waits: its request's prefill goes on, or the step that gathered
-        it does (untold: `_idle_s` after its worker part); `_cv` held."""
-        if job.req_id in self._prefilling:
-            return True
-        if job.step != self._step:
-            return False
-        return self._worked != self._step \
-            or time.perf_counter() - self._worked_at < self._idle_s
+        it does (`_step_left`); `_cv` held."""
+        return job.req_id in self._prefilling \
+            or (job.step == self._step and self._step_left() > 0)
 
     def _next_save(self) -> int | None:
         """The position of the first queued save that need not wait, if any: one whose
