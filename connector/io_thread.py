@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 # the part of its hit that arrived.
 PART_BYTES = 8 << 20
 
+_NONE: frozenset[str] = frozenset()  # no request's prompt is being computed
 
 @dataclass
 class LoadBatch:
@@ -167,7 +168,7 @@ class IOThread:
         self._settled: list[tuple[str, int]] = []  # (request, chunks its job loaded)
         self._busy = 0
         self._hold_s = hold_saves_s
-        self._prefilling: frozenset[str] = frozenset()
+        self._prefilling: frozenset[str] = _NONE
         self._idle_s = idle_s
         self._step = 0         # engine steps ended (`step_ended`)
         self._worked = -1      # the last step whose worker part is done (`prefilling`)
@@ -201,6 +202,12 @@ class IOThread:
     def prefilling(self, req_ids: Iterable[str]) -> None:
         """The worker's part of the step is done (its saves queued); `req_ids`: the requests
         whose prompts are still being computed after it."""
+        if not self._saves:
+            # Nothing queued (most decode steps): only the engine thread writes these, and
+            # the save thread reads them only for queued saves; no lock, nothing to wake.
+            self._prefilling = frozenset(req_ids) if req_ids else _NONE
+            self._worked, self._worked_at = self._step, time.perf_counter()
+            return
         with self._cv:
             self._prefilling = frozenset(req_ids)
             self._worked, self._worked_at = self._step, time.perf_counter()
@@ -211,9 +218,14 @@ class IOThread:
     def step_ended(self) -> None:
         """The engine's step is over (its outputs are out, or the next step began): the
         saves it gathered may go, but for a prefill that goes on."""
+        if self._worked != self._step:
+            return  # no worker part since the last end: told twice, or no step ran
+        if not self._saves:  # nothing to release (as in `prefilling`: no lock needed)
+            self._step += 1
+            return
         with self._cv:
             if self._worked != self._step:
-                return  # no worker part since the last end: told twice, or no step ran
+                return
             self._step += 1
             if any(job.req_id not in self._prefilling for job in self._saves):
                 self._save_cv.notify()

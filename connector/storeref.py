@@ -20,7 +20,8 @@ from kvtier.store.tiered import TieredStore
 
 _lock = threading.Lock()
 _stores: dict[tuple[str, str | None], list] = {}  # key -> [store, refcount]
-_step_ends: dict[tuple[str, str | None], list[Callable[[], None]]] = {}
+# key -> the calls to make at a step's end; replaced whole under `_lock`, read without it
+_step_ends: dict[tuple[str, str | None], tuple[Callable[[], None], ...]] = {}
 
 
 def _key(policy: Policy, node_id: str | None) -> tuple[str, str | None]:
@@ -65,21 +66,29 @@ def on_step_end(policy: Policy, node_id: str | None,
     (`step_ended`); returns the call that stops it."""
     key = _key(policy, node_id)
     with _lock:
-        _step_ends.setdefault(key, []).append(fn)
+        _step_ends[key] = _step_ends.get(key, ()) + (fn,)
 
     def stop() -> None:
         with _lock:
-            fns = _step_ends.get(key, [])
-            if fn in fns:
-                fns.remove(fn)
-            if not fns:
+            fns = tuple(f for f in _step_ends.get(key, ()) if f is not fn)
+            if fns:
+                _step_ends[key] = fns
+            else:
                 _step_ends.pop(key, None)
     return stop
 
 
 def step_ended(policy: Policy, node_id: str | None) -> None:
     """A step's outputs are out: tell the worker sides of this process (none: nothing)."""
-    with _lock:
-        fns = list(_step_ends.get(_key(policy, node_id), ()))
-    for fn in fns:
-        fn()
+    step_teller(policy, node_id)()
+
+
+def step_teller(policy: Policy, node_id: str | None) -> Callable[[], None]:
+    """`step_ended` for one policy and node, its key computed once (a scheduler side calls
+    it every step)."""
+    key = _key(policy, node_id)
+
+    def tell() -> None:
+        for fn in _step_ends.get(key, ()):
+            fn()
+    return tell

@@ -21,6 +21,7 @@ block ids).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -48,6 +49,14 @@ IDLE_WAIT_S = 0.02
 # How long a step's end waits for the load thread to report the loads it cut (`collect`);
 # one it did not report by then is reported at the next step's end.
 COLLECT_WAIT_S = 0.005
+LENDER_POLL_S = 1.0  # how often the stats vLLM takes every step read lender failures
+
+
+@functools.cache
+def _transfer_results() -> type:
+    """vLLM's `KVConnectorTransferResults` (imported once: vLLM asks for results every step)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    return KVConnectorTransferResults
 
 
 def _ranks() -> tuple[int, int]:
@@ -90,6 +99,8 @@ class WorkerSide:
         self._unlisten = storeref.on_step_end(cfg.policy, cfg.node_id, self.step_ended)
         self.paged: PagedKV | None = None
         self.io: IOThread | None = None
+        self._cuda = False  # the KV cache is on a CUDA device (forwards timed by events)
+        self._lenders_due = 0.0  # when `get_stats` next reads the lenders' failures
         # several groups: request -> {group: [chunks asked, chunks loaded or None while
         # out]} of its load jobs, until the last one ends
         self._group_loads: dict[str, dict[int, list]] = {}
@@ -134,6 +145,7 @@ class WorkerSide:
                      g.paged.info.kind, " (fused)" if g.paged.info.fused else "",
                      g.paged.info.num_layers, payload_len, g.fingerprint)
         self.paged, self.io = self.main.paged, self.main.io
+        self._cuda = self.paged.device.type == "cuda"
         self._warming = threading.Thread(target=self._warm_staging, name="kvtier-staging-warm",
                                          daemon=True)
         self._warming.start()
@@ -196,7 +208,7 @@ class WorkerSide:
         self._forward = (meta.work, self._now())
 
     def _now(self):
-        if self.paged is None or self.paged.device.type != "cuda":
+        if not self._cuda:
             return time.perf_counter()
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
@@ -346,12 +358,9 @@ class WorkerSide:
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """vLLM's `KVConnectorTransferResults`: `get_finished`, and the requests whose load
         fell short (several groups: recomputed whole, as vLLM takes such failures)."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import \
-            KVConnectorTransferResults
         sending, recving = self.get_finished(finished_req_ids)
         failed, self._failed_reqs = self._failed_reqs, set()
-        return KVConnectorTransferResults(set(sending or ()), set(recving or ()) | failed,
-                                          failed)
+        return _transfer_results()(set(sending or ()), set(recving or ()) | failed, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -376,7 +385,13 @@ class WorkerSide:
         return meta
 
     def get_stats(self) -> KVTierStats | None:
-        gained = self.store.take_lender_failures()
+        # vLLM asks every step; lender failures are rare and read across every tier, so
+        # they are collected every `LENDER_POLL_S` (the index's counters have them at once).
+        gained = {}
+        now = time.monotonic()
+        if now >= self._lenders_due:
+            self._lenders_due = now + LENDER_POLL_S
+            gained = self.store.take_lender_failures()
         with self.stats_lock:
             for lender, n in gained.items():
                 self.stats.add(f"lender_failures:{lender}", n)

@@ -177,6 +177,8 @@ class Mover:
 
     def engine_busy(self, busy: bool) -> None:
         """The engine started (True) or finished (False) computing a prefill."""
+        if self._busy == busy:  # told every step; only a change needs the lock
+            return
         with self._cv:
             if self._busy != busy:
                 self._busy = busy
