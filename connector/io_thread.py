@@ -60,6 +60,7 @@ PART_BYTES = 8 << 20
 
 _NONE: frozenset[str] = frozenset()  # no request's prompt is being computed
 
+
 @dataclass
 class LoadBatch:
     req_id: str
