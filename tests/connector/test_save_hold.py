@@ -113,6 +113,24 @@ def test_a_one_step_prompts_save_waits_for_its_steps_end(io):
     assert not any(store.tiers[0].contains(later))  # this step has not ended
 
 
+def test_steps_that_saved_nothing_leave_the_next_save_waiting_for_its_own_step(io):
+    """Most decode steps queue no save, and their step bookkeeping takes no lock: the first
+    save after them still waits while the step that gathered it goes on, even once the
+    engine had been quiet for longer than `idle_s`."""
+    thread, store, paged, pool = io(hold=30.0, idle=0.3)
+    for _ in range(3):  # steps with nothing to save, each told its end (one twice)
+        thread.prefilling(())
+        thread.step_ended()
+    thread.step_ended()
+    time.sleep(0.5)
+    keys = submit(thread, paged, pool, "ce")  # its step's worker part is not done yet
+    time.sleep(0.3)
+    assert thread.pending_saves() == 1 and not any(store.tiers[0].contains(keys))
+    thread.prefilling(())
+    thread.step_ended()
+    wait_until(lambda: stored(store, keys), 10.0, "the save once its step ended")
+
+
 def test_a_save_whose_step_end_goes_untold_waits_only_for_an_idle_engine(io):
     """A worker in a process of its own learns of a step's end only from the next step: an
     engine with nothing more to do must not keep what it computed unsaved."""
