@@ -58,8 +58,6 @@ log = logging.getLogger(__name__)
 # the part of its hit that arrived.
 PART_BYTES = 8 << 20
 
-_NONE: frozenset[str] = frozenset()  # no request's prompt is being computed
-
 
 @dataclass
 class LoadBatch:
@@ -169,7 +167,7 @@ class IOThread:
         self._settled: list[tuple[str, int]] = []  # (request, chunks its job loaded)
         self._busy = 0
         self._hold_s = hold_saves_s
-        self._prefilling: frozenset[str] = _NONE
+        self._prefilling: frozenset[str] = frozenset()
         self._idle_s = idle_s
         self._step = 0         # engine steps ended (`step_ended`)
         self._worked = -1      # the last step whose worker part is done (`prefilling`)
@@ -204,9 +202,9 @@ class IOThread:
         """The worker's part of the step is done (its saves queued); `req_ids`: the requests
         whose prompts are still being computed after it."""
         if not self._saves:
-            # Nothing queued (most decode steps): only the engine thread writes these, and
-            # the save thread reads them only for queued saves; no lock, nothing to wake.
-            self._prefilling = frozenset(req_ids) if req_ids else _NONE
+            # Nothing queued (most decode steps): only this call writes these, and the save
+            # thread reads them only for queued saves; no lock, nothing to wake.
+            self._prefilling = frozenset(req_ids)
             self._worked, self._worked_at = self._step, time.perf_counter()
             return
         with self._cv:
@@ -221,12 +219,14 @@ class IOThread:
         saves it gathered may go, but for a prefill that goes on."""
         if self._worked != self._step:
             return  # no worker part since the last end: told twice, or no step ran
-        if not self._saves:  # nothing to release (as in `prefilling`: no lock needed)
+        if not self._saves:
+            # Nothing to release, and nothing reads the count before a save is queued (two
+            # callers racing here only skip a number: steps are compared, never counted).
             self._step += 1
             return
         with self._cv:
             if self._worked != self._step:
-                return
+                return  # another caller ended this step meanwhile
             self._step += 1
             if any(job.req_id not in self._prefilling for job in self._saves):
                 self._save_cv.notify()

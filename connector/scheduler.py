@@ -164,7 +164,7 @@ class SchedulerSide:
             if cfg.tool_call_token_ids == "auto" else frozenset(cfg.tool_call_token_ids)
         self._running = 0  # requests scheduled and not finished (for `load: auto`)
         self.store = storeref.acquire(cfg.policy, cfg.node_id, mover=False)
-        self._step_ended = storeref.step_teller(cfg.policy, cfg.node_id)
+        self._step_ended = lambda: storeref.step_ended(cfg.policy, cfg.node_id)
         # The worker side is built first in a shared process (storeref): a store without a
         # mover means the workers, and the stores that act on sessions, are elsewhere.
         self.forward = not self.store.runs_mover

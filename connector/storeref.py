@@ -79,16 +79,7 @@ def on_step_end(policy: Policy, node_id: str | None,
 
 
 def step_ended(policy: Policy, node_id: str | None) -> None:
-    """A step's outputs are out: tell the worker sides of this process (none: nothing)."""
-    step_teller(policy, node_id)()
-
-
-def step_teller(policy: Policy, node_id: str | None) -> Callable[[], None]:
-    """`step_ended` for one policy and node, its key computed once (a scheduler side calls
-    it every step)."""
-    key = _key(policy, node_id)
-
-    def tell() -> None:
-        for fn in _step_ends.get(key, ()):
-            fn()
-    return tell
+    """A step's outputs are out: tell the worker sides of this process (none: nothing).
+    Called every step, so it reads the listeners without the lock."""
+    for fn in _step_ends.get(_key(policy, node_id), ()):
+        fn()
