@@ -144,6 +144,11 @@ class RecomputeModel:
                      "%.2f s, 16K in %.2f s", len(self._rows), self.max_batch,
                      self.predict(self.max_batch), self.predict(16384))
 
+    @property
+    def shareable(self) -> bool:
+        """Whether `summary` has a fit to share (this engine timed `CLASS_MIN` prefills)."""
+        return self._prefills >= CLASS_MIN
+
     def summary(self) -> dict | None:
         """This engine's fit, to share with engines of the same model on the node; None
         until it has timed `CLASS_MIN` prefills of its own."""

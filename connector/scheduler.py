@@ -159,6 +159,7 @@ class SchedulerSide:
         self._prefill_kind = f"{self.fp}/{self.world}"
         self._prefill_shared = -SHARE_EVERY_S  # when the node's prefill model was last read
         self._prefill_published = -PUBLISH_EVERY_S  # when this engine's was last written
+        self._published = False  # whether this engine's model has been written once
         self._settling: dict[str, dict[int, int]] = {}  # request -> rank -> chunks loaded
         self.tool_call_ids = detect_tool_call_ids(vllm_config.model_config) \
             if cfg.tool_call_token_ids == "auto" else frozenset(cfg.tool_call_token_ids)
@@ -303,6 +304,9 @@ class SchedulerSide:
             return first, None, 0.0
         if not self.deadlines:
             return found.hit_blocks, None, 0.0
+        # An engine idle since its last step has not read the node's model since: a first
+        # hit after a cold elsewhere would be planned with the slow prior.
+        self._share_prefill()
         plan = plan_load(found.tiers[first:found.hit_blocks], self.chunk, first * self.chunk,
                          lambda ts: self.store.expected_load_s(ts, self.frame_bytes),
                          self.recompute)
@@ -466,11 +470,12 @@ class SchedulerSide:
         self._step_ended()  # a worker side in this process may start its saves
 
     def _share_prefill(self) -> None:
-        """Publish this engine's prefill model once it has timed prefills (then every
+        """Publish this engine's prefill model as soon as it has timed prefills (then every
         `PUBLISH_EVERY_S`), and until then take the node's every `SHARE_EVERY_S`
-        (`RecomputeModel.adopt`)."""
+        (`RecomputeModel.adopt`), at a step or before planning a hit."""
         now = time.monotonic()
-        if now - self._prefill_shared < SHARE_EVERY_S:
+        if now - self._prefill_shared < SHARE_EVERY_S and (
+                self._published or not self.recompute.shareable):
             return
         self._prefill_shared = now
         try:
@@ -478,7 +483,7 @@ class SchedulerSide:
             if mine is not None:
                 if now - self._prefill_published >= PUBLISH_EVERY_S:
                     self.store.publish_prefill(self._prefill_kind, mine)
-                    self._prefill_published = now
+                    self._prefill_published, self._published = now, True
             elif self.recompute.adopt(self.store.node_prefill(self._prefill_kind)):
                 log.info("kvtier: prefill cost taken from this node's engines of the same "
                          "model until this one has timed its own: %d tokens recompute in "

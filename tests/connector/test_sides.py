@@ -19,7 +19,8 @@ import torch
 vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
 
 from kvtier.connector.config import ConnectorConfig  # noqa: E402
-from kvtier.connector.scheduler import SchedulerSide  # noqa: E402
+from kvtier.connector.recompute import CLASS_MIN  # noqa: E402
+from kvtier.connector.scheduler import SHARE_EVERY_S, SchedulerSide  # noqa: E402
 from kvtier.connector.stats import KVTierPromMetrics  # noqa: E402
 from kvtier.connector.worker import WorkerSide  # noqa: E402
 from kvtier.store.base.config import policy_from_dict  # noqa: E402
@@ -312,6 +313,45 @@ def test_a_hit_slower_to_load_than_to_compute_is_declined_and_said_so(deadline_s
     assert kv["declined_tokens"] == 4 * CHUNK  # the 4 whole chunks found
     assert kv["hit_tokens"] == {} and kv["recomputed_tokens"] == 0
     assert sides.sched.get_stats().data["counters"]["declined_tokens"] == 4 * CHUNK
+
+
+def _a_step(sched, steps=()):
+    """The engine's step ends: `steps` (tokens, attention work, seconds) its forwards took."""
+    meta = SimpleNamespace(steps=list(steps), settled=())
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
+
+
+def test_an_engine_publishes_its_prefill_model_in_the_step_it_first_has_one(deadline_sides):
+    sched = deadline_sides.sched
+    _a_step(sched)  # a step with nothing to share yet: the next read is a second away
+    assert sched.store.node_prefill(sched._prefill_kind) == []
+    _a_step(sched, [(2048.0, 2048.0 * 1024, 0.2)] * CLASS_MIN)  # chunks of a cold prompt
+    assert sched.recompute.shareable
+    (row,) = sched.store.node_prefill(sched._prefill_kind)  # this step, not a second later
+    assert row["prefills"] == CLASS_MIN
+
+
+def test_an_idle_engine_plans_a_hit_with_the_model_another_engine_published_meanwhile(
+        deadline_sides):
+    """An engine that only serves hits steps, then idles while another engine of the node
+    times its first prefills and publishes its model; the next hit's deadline is that
+    model's recompute, not the slow prior's."""
+    s = deadline_sides
+    tokens = random_prompt(9, 300)
+    save_prompt(s, "r1", tokens, list(range(0, 10)))
+    _a_step(s.sched)  # it read the node's models: none yet
+    prior_s = s.sched.recompute.predict(4 * CHUNK)
+    assert prior_s > 0.1  # the slow prior: 2,000 tokens/s
+    s.sched.store.publish_prefill(s.sched._prefill_kind,
+                                  {"coef": [0.002, 7e-5, 0.0], "prefills": CLASS_MIN})
+    s.sched._prefill_shared -= SHARE_EVERY_S  # idle since: a second without a step
+    r = request("r2", tokens)
+    n, _ = s.sched.get_num_new_matched_tokens(r, 0)
+    assert n == 4 * CHUNK
+    s.sched.update_state_after_alloc(r, blocks(range(20, 30)), n)
+    (job,) = step(s.sched).loads
+    # the other engine's 20 ms for these 256 tokens, less the margin: not the prior's 130
+    assert job.deadline_s == pytest.approx(0.9 * (0.002 + 256 * 7e-5), rel=0.01)
 
 
 def promised(s, seed: int, dst: list[int]):
