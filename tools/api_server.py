@@ -79,10 +79,13 @@ class ApiServer:
         raise ApiServerError("server not ready in time:\n" + self.log_tail())
 
     def complete(self, prompt: list[int], max_tokens: int, kvtier: dict | None = None,
-                 timeout_s: float = 300) -> tuple[dict, float]:
-        """(the response body, its wall time in seconds) of a greedy completion of `prompt`."""
+                 timeout_s: float = 300, logprobs: int | None = None) -> tuple[dict, float]:
+        """(the response body, its wall time in seconds) of a greedy completion of `prompt`;
+        `logprobs`: each token's top choices too, keyed `token_id:N` (no tokenizer here)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "return_token_ids": True}
+        if logprobs is not None:
+            body |= {"logprobs": logprobs, "return_tokens_as_token_ids": True}
         if kvtier is not None:
             body["kv_transfer_params"] = {"kvtier": kvtier}
         req = urllib.request.Request(self.url("/v1/completions"), json.dumps(body).encode(),

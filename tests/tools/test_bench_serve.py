@@ -11,14 +11,16 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvtier.tools.bench.serve import ServeSpec, node_policy, summarize
+from kvtier.tools.bench.serve import ServeSpec, _top, node_policy, summarize
 from kvtier.tools.cli import app
+from kvtier.tools.commands.bench_vllm import _same_token
 from kvtier.store.base.config import policy_from_dict
 
 
-def _row(cold_s, hit_s, hit=None, recomputed=0, same=True) -> dict:
+def _row(cold_s, hit_s, hit=None, recomputed=0, same=True, runner_up=False) -> dict:
     return {"cold_s": cold_s, "hit_s": hit_s, "hit_tokens": hit or {"dram": 8000},
-            "recomputed_tokens": recomputed, "cached_tokens": 8000, "same_output": same}
+            "recomputed_tokens": recomputed, "cached_tokens": 8000, "same_output": same,
+            "runner_up": runner_up, "cold_margin": 0.0625}
 
 
 def test_one_hit_slower_than_1_2x_the_median_cold_misses_the_target():
@@ -29,7 +31,26 @@ def test_one_hit_slower_than_1_2x_the_median_cold_misses_the_target():
     s = summarize(rows[:2] + [_row(1.4, 1.45, {"dram": 256}, recomputed=7744, same=False)])
     assert s["worst_hit_over_median_cold"] == pytest.approx(1.21) and not s["ok"]
     assert s["loaded_tokens"] == 16256 and s["recomputed_tokens"] == 7744
-    assert s["different_outputs"] == 1
+    assert s["different_outputs"] == 1 and s["different_at_runner_up"] == 0
+    s = summarize(rows + [_row(1.0, 0.1, same=False, runner_up=True)])
+    assert s["different_outputs"] == 1 and s["different_at_runner_up"] == 1
+
+
+def _body(token: int, top: dict[int, float]) -> dict:
+    """A completion as the OpenAI server answers with `logprobs` and token ids."""
+    return {"choices": [{"token_ids": [token], "logprobs": {
+        "top_logprobs": [{f"token_id:{t}": lp for t, lp in top.items()}]}}]}
+
+
+def test_a_hit_at_the_colds_runner_up_is_told_from_another_token():
+    cold = _body(1077, {1795: -1.83047, 1077: -1.76797})
+    assert _top(cold) == [(1077, -1.76797), (1795, -1.83047)]
+    assert _top({"choices": [{"token_ids": [5]}]}) == []  # asked without logprobs
+    assert _same_token({"same_output": True}) == "yes"
+    flip = {"same_output": False, "runner_up": True, "cold_margin": 0.0625}
+    assert "runner-up, margin 0.062" in _same_token(flip)
+    assert "NO" in _same_token({"same_output": False, "runner_up": False,
+                                "cold_margin": 2.0})
 
 
 def test_an_older_kvtier_without_recomputed_tokens_counts_none():

@@ -13,7 +13,15 @@ later (an agent's turn) `b` answers it from the cache. TTFT is the wall time of 
 one-token greedy completion through the HTTP API. The report gives each request's cold and
 hit TTFT, the tokens its hit loaded per tier and recomputed, whether `b`'s token is `a`'s,
 P50/P99 of both, and the target: no hit slower than 1.2x the median cold TTFT of the same
-run (a hit never costs more than recomputing it). `pythonpath` runs both servers on another
+run (a hit never costs more than recomputing it).
+
+Where `b`'s token is not `a`'s, the report says whether it is `a`'s runner-up and by how
+much `a` preferred its own (the gap between the two log-probabilities). The model is bf16:
+a hit computes the prompt's tail in another batch shape than the cold prefill's chunks, so
+its log-probabilities move by up to about a tenth, and a prompt whose top two tokens are
+that close can flip. vLLM's own prefix cache flips the same prompts (BENCHMARKS.md); the bytes a hit loads
+are the ones `a` saved (every frame's checksum). A token that is not the runner-up, or one
+at a wide gap, is what a wrong load would look like. `pythonpath` runs both servers on another
 kvtier (an older checkout) to measure it beside this one; the master stays this one's.
 """
 
@@ -75,6 +83,14 @@ def _token(body: dict) -> list[int]:
     return body["choices"][0].get("token_ids") or []
 
 
+def _top(body: dict) -> list[tuple[int, float]]:
+    """The first generated token's top choices, (token id, log-probability), best first."""
+    logprobs = body["choices"][0].get("logprobs") or {}
+    top = (logprobs.get("top_logprobs") or [None])[0] or {}
+    return sorted(((int(k.rsplit(":", 1)[1]), v) for k, v in top.items()),
+                  key=lambda kv: -kv[1])
+
+
 class ServeBench:
     """The two servers, their master and the neighbours' load; see the module docstring."""
 
@@ -103,16 +119,20 @@ class ServeBench:
     def pair(self, seed: int) -> dict:
         """One prompt: cold on a, then a hit on b."""
         prompt = random_prompt(20_000 + seed, self.spec.tokens)
-        cold, cold_s = self.servers["a"].complete(prompt, 1)
+        cold, cold_s = self.servers["a"].complete(prompt, 1, logprobs=2)
         time.sleep(self.spec.gap_s)
-        hit, hit_s = self.servers["b"].complete(prompt, 1)
+        hit, hit_s = self.servers["b"].complete(prompt, 1, logprobs=2)
         info = _kvtier(hit)
+        same, top = _token(hit) == _token(cold), _top(cold)
         return {"cold_s": cold_s, "hit_s": hit_s, "hit_tokens": info.get("hit_tokens", {}),
                 "recomputed_tokens": info.get("recomputed_tokens"),
                 "load_deadlines_ms": info.get("load_deadlines_ms", []),
                 "cached_tokens": (hit.get("usage", {}).get("prompt_tokens_details") or {})
                 .get("cached_tokens"),
-                "same_output": _token(hit) == _token(cold)}
+                "same_output": same,
+                # where b's token is not a's: a's runner-up, and a's gap between the two
+                "runner_up": not same and len(top) > 1 and _token(hit)[:1] == [top[1][0]],
+                "cold_margin": round(top[0][1] - top[1][1], 5) if len(top) > 1 else None}
 
     def run(self) -> list[dict]:
         self.pair(0)  # first requests pay one-time setup costs (b maps a's segment)
@@ -152,7 +172,8 @@ def summarize(rows: list[dict]) -> dict:
             "hit_p99_ms": round(p99(hit), 1),
             "worst_hit_over_median_cold": round(worst, 2), "target": TARGET,
             "ok": worst <= TARGET, "loaded_tokens": loaded, "recomputed_tokens": recomputed,
-            "different_outputs": sum(not r["same_output"] for r in rows)}
+            "different_outputs": sum(not r["same_output"] for r in rows),
+            "different_at_runner_up": sum(bool(r.get("runner_up")) for r in rows)}
 
 
 def run_serve_bench(spec: ServeSpec, root: Path | None = None, progress=print) -> dict:

@@ -151,9 +151,14 @@ def serve(requests: int = typer.Option(20, min=1, help="prompts, each cold on a,
         loaded = ", ".join(f"{t} {n}" for t, n in r["hit_tokens"].items()) or "-"
         table.add_row(str(i), f"{r['cold_s'] * 1e3:.0f}", f"{r['hit_s'] * 1e3:.0f}", loaded,
                       str(r["recomputed_tokens"] if r["recomputed_tokens"] is not None
-                          else "-"), "yes" if r["same_output"] else "[red]NO[/]")
+                          else "-"), _same_token(r))
     console.print(table)
     s = doc["summary"]
+    if s["different_outputs"]:
+        console.print(f"  {s['different_outputs']} of {len(doc['requests'])} hits answered "
+                      f"another token, {s['different_at_runner_up']} of them a's runner-up "
+                      "(margin: how much a preferred its own; bf16 near-ties flip with the "
+                      "batch shape, in vLLM's own prefix cache too)")
     mark = "[green]ok[/]" if s["ok"] else "[red]MISSED[/]"
     console.print(f"  cold P50 {s['cold_p50_ms']} P99 {s['cold_p99_ms']}; hit P50 "
                   f"{s['hit_p50_ms']} P99 {s['hit_p99_ms']} ms")
@@ -163,6 +168,15 @@ def serve(requests: int = typer.Option(20, min=1, help="prompts, each cold on a,
                                                 doc["metrics_b"].items()))
     if json_out is not None:
         write_report(doc, json_out)
+
+
+def _same_token(row: dict) -> str:
+    """`bench serve`'s verdict on a hit's token against the cold one."""
+    if row["same_output"]:
+        return "yes"
+    if row.get("runner_up"):
+        return f"[yellow]runner-up, margin {row['cold_margin']:.3f}[/]"
+    return "[red]NO[/]"
 
 
 def gather(ctx: typer.Context) -> None:
