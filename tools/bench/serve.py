@@ -19,10 +19,12 @@ Where `b`'s token is not `a`'s, the report says whether it is `a`'s runner-up an
 much `a` preferred its own (the gap between the two log-probabilities). The model is bf16:
 a hit computes the prompt's tail in another batch shape than the cold prefill's chunks, so
 its log-probabilities move by up to about a tenth, and a prompt whose top two tokens are
-that close can flip. vLLM's own prefix cache flips the same prompts (BENCHMARKS.md); the bytes a hit loads
-are the ones `a` saved (every frame's checksum). A token that is not the runner-up, or one
-at a wide gap, is what a wrong load would look like. `pythonpath` runs both servers on another
-kvtier (an older checkout) to measure it beside this one; the master stays this one's.
+that close can flip; vLLM's own prefix cache flips the same prompts (BENCHMARKS.md), and
+the bytes a hit loads are the ones `a` saved (every frame's checksum). A token that is not
+the runner-up, or one at a wide gap, is what a wrong load would look like.
+
+`pythonpath` runs both servers on another kvtier (an older checkout) to measure it beside
+this one; the master stays this one's.
 """
 
 from __future__ import annotations
