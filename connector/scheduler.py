@@ -158,8 +158,8 @@ class SchedulerSide:
         # engines whose prefill costs are alike: one model, layout and parallelism
         self._prefill_kind = f"{self.fp}/{self.world}"
         self._prefill_shared = -SHARE_EVERY_S  # when the node's prefill model was last read
-        self._prefill_published = -PUBLISH_EVERY_S  # when this engine's was last written
-        self._published = False  # whether this engine's model has been written once
+        # when this engine's was last written (None: never)
+        self._prefill_published: float | None = None
         self._settling: dict[str, dict[int, int]] = {}  # request -> rank -> chunks loaded
         self.tool_call_ids = detect_tool_call_ids(vllm_config.model_config) \
             if cfg.tool_call_token_ids == "auto" else frozenset(cfg.tool_call_token_ids)
@@ -475,15 +475,16 @@ class SchedulerSide:
         (`RecomputeModel.adopt`), at a step or before planning a hit."""
         now = time.monotonic()
         if now - self._prefill_shared < SHARE_EVERY_S and (
-                self._published or not self.recompute.shareable):
+                self._prefill_published is not None or not self.recompute.shareable):
             return
         self._prefill_shared = now
         try:
             mine = self.recompute.summary()
             if mine is not None:
-                if now - self._prefill_published >= PUBLISH_EVERY_S:
+                last = self._prefill_published
+                if last is None or now - last >= PUBLISH_EVERY_S:
                     self.store.publish_prefill(self._prefill_kind, mine)
-                    self._prefill_published, self._published = now, True
+                    self._prefill_published = now
             elif self.recompute.adopt(self.store.node_prefill(self._prefill_kind)):
                 log.info("kvtier: prefill cost taken from this node's engines of the same "
                          "model until this one has timed its own: %d tokens recompute in "
