@@ -48,9 +48,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-import numpy as np
-
-from kvtier.store.base.block import alloc_aligned
+from kvtier.store.base.block import alloc_aligned, buffer_address
 from kvtier.store.base.config import MasterConfig, MooncakeTierConfig
 from kvtier.store.base.errors import MasterError, TierError, TierUnavailableError
 from kvtier.tiers.mooncake.ha import current_leader
@@ -99,14 +97,6 @@ def import_mooncake() -> Any:
         raise TierError(f"cannot import mooncake.store ({e}); install it: {INSTALL_HINT}"
                         ) from None
     return mc
-
-
-def buffer_address(buf) -> int:
-    """The address of the first byte of a C-contiguous buffer (read-only is fine)."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(buf))  # writable: 4x cheaper
-    except TypeError:
-        return np.frombuffer(buf, dtype=np.uint8).ctypes.data
 
 
 class _Handle:

@@ -44,17 +44,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from kvtier.store.base.block import (HEADER_SIZE, KEY_AT, KEY_LEN, parse_header, verified_len,
+from kvtier.store.base.block import (HEADER_SIZE, KEY_AT, KEY_LEN, buffer_address, parse_header,
                                      verify, verify_used)
 from kvtier.store.base.config import MooncakeTierConfig
 from kvtier.store.base.errors import CorruptBlockError, TierError, TierUnavailableError
-from kvtier.store.base.verify_pool import verified_lens
+from kvtier.store.base.verify_pool import copied_verified_lens, verified_lens
 from kvtier.tiers.base import MISS, InPlaceRun, Tier, full_error
 from kvtier.tiers.bounded import BoundedCalls, Unanswered
 from kvtier.tiers.mooncake import check as mooncake_check
 from kvtier.tiers.mooncake.client import (INVALID_PARAMS, MISS_CODES, NO_AVAILABLE_HANDLE,
-                                          OK, TRANSFER_FAIL, MooncakeClient, buffer_address,
-                                          is_down)
+                                          OK, TRANSFER_FAIL, MooncakeClient, is_down)
 from kvtier.tiers.mooncake.pipeline import (MIN_CHUNK_BYTES, SERVICE_MIN_CHUNK_BYTES, Chunk,
                                            plan_chunks, run_pipeline, worth_pipelining)
 from kvtier.tiers.mooncake.hostname import host_of
@@ -324,21 +323,24 @@ class MooncakeTier(Tier):
         places = self._places([keys[i] for i in todo])
         if places is None:
             return todo
-        left = []
+        left, found, srcs = [], [], []
         for i, place in zip(todo, places):
             if place is None or place[2] > len(views[i]):
                 left.append(i)
-                continue
-            mem, off, n = place
-            views[i][:n] = mem[off:off + n]
-            try:
-                result[i] = verified_len(views[i][:n], keys[i], n)
-            except CorruptBlockError:
-                # a bad frame, a frame overwritten meanwhile, or a stale mapping (a new
-                # lender at the same endpoint)
-                self.segments.recheck()
-                left.append(i)
-        return left
+            else:
+                mem, off, n = place
+                found.append(i)
+                srcs.append(mem[off:off + n])
+        lens = copied_verified_lens([views[i] for i in found], srcs, [keys[i] for i in found])
+        bad = [i for i, n in zip(found, lens) if n is None]
+        for i, n in zip(found, lens):
+            if n is not None:
+                result[i] = n
+        if bad:
+            # a bad frame, a frame overwritten meanwhile, or a stale mapping (a new lender at
+            # the same endpoint)
+            self.segments.recheck()
+        return sorted(left + bad)
 
     def _places(self, keys: Sequence[str]) -> list[tuple[memoryview, int, int] | None] | None:
         """Where each block lies in a segment file of this node: (the mapped segment, the
