@@ -59,7 +59,7 @@ def test_copied_frames_are_checked_and_a_bad_or_foreign_one_is_none(tmp_path, mo
     mm.close()
 
 
-def test_copied_lens_agree_with_checking_a_copy_and_take_nothing(tmp_path):
+def test_copied_lens_agree_with_verified_lens_and_an_empty_batch_is_empty(tmp_path):
     fs = frames(1 << 20)
     mm, srcs = read_only(tmp_path, fs)
     dsts = [memoryview(bytearray(len(f))) for f in fs]

@@ -183,7 +183,7 @@ def _master(master):
 
 
 def _addr(view) -> int:
-    from kvtier.tiers.mooncake.client import buffer_address
+    from kvtier.store.base.block import buffer_address
     return buffer_address(view)
 
 
