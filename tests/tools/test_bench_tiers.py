@@ -19,7 +19,7 @@ TINY = bench_tiers.BenchSpec(sizes=(256 * KiB,), batches=(1, 4), op_bytes=2 * Mi
 
 
 def test_mooncake_against_raw_in_one_run(tmp_path):
-    rows, refs, targets = bench_tiers.run_bench(TINY, root=tmp_path, only={"mooncake"})
+    rows, refs, targets = bench_tiers.run_bench(TINY, root=tmp_path, only={"dram"})
     assert {r.target for r in rows} == {"dram[zero-copy]", "dram[staging]"}
     assert {r.target for r in refs} == {"raw mooncake", "raw mooncake+verify"}
     assert len(rows) == 2 * 2 * 2  # 2 variants x 2 batches x (put, get)
@@ -29,6 +29,44 @@ def test_mooncake_against_raw_in_one_run(tmp_path):
             row.gbps / row.ref_gbps)
         assert row.extra["vs_verify_floor"] > 0
     assert len(targets) == 4 and all(t["target"].startswith("dram[zero-copy]") for t in targets)
+
+
+def test_the_readme_setup_is_measured_beside_a_raw_client_of_its_own(tmp_path):
+    """`dram-files`: the pool lent from segment files in /dev/shm, each case beside a raw
+    client that lends from a file too, under a reference name of its own; the files go with
+    the run."""
+    before = set(bench_tiers.SHM.glob("kvtier-bench-*"))
+    shm, why = bench_tiers.segment_dir_for(TINY)
+    if shm is None:
+        pytest.skip(f"no room for the files tier here: {why}")
+    shm.rmdir()
+    rows, refs, targets = bench_tiers.run_bench(TINY, root=tmp_path, only={"mooncake"})
+    files = [r for r in rows if r.target.startswith("dram-files[")]
+    assert {r.target for r in files} == {"dram-files[zero-copy]", "dram-files[staging]"}
+    assert {r.target for r in refs} == {"raw mooncake", "raw mooncake+verify",
+                                        "raw mooncake [dram-files]",
+                                        "raw mooncake [dram-files]+verify"}
+    for row in files:
+        assert row.reference == "raw mooncake [dram-files]" and row.ratio == pytest.approx(
+            row.gbps / row.ref_gbps) and row.extra["vs_verify_floor"] > 0
+    assert {r.reference for r in rows if r.target.startswith("dram[")} == {"raw mooncake"}
+    assert sum(t["target"].startswith("dram-files[zero-copy]") for t in targets) == 4
+    assert set(bench_tiers.SHM.glob("kvtier-bench-*")) == before  # nothing left in /dev/shm
+
+
+def test_a_shm_too_small_for_the_files_tier_is_named(tmp_path, monkeypatch):
+    shm, why = bench_tiers.segment_dir_for(TINY, tmp_path / "missing")
+    assert shm is None and why == f"{tmp_path / 'missing'} is not usable (No such file or directory)"
+
+    class Tiny:
+        f_bavail, f_frsize = 16, 4096
+
+    monkeypatch.setattr(bench_tiers.os, "statvfs", lambda path: Tiny())
+    shm, why = bench_tiers.segment_dir_for(TINY, tmp_path)
+    need = 2 * bench_tiers.pool_mib(TINY)
+    assert shm is None and why == (f"{tmp_path} has 0 MiB free and its two segment files "
+                                   f"need {need} MiB (--quick needs less; Docker: --shm-size)")
+    assert not list(tmp_path.iterdir())
 
 
 def test_cli_writes_json(tmp_path):

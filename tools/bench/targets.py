@@ -97,8 +97,8 @@ class RawTarget:
     reference = None
     extra: dict = {}
 
-    def __init__(self, raw, work: Workload, verify: bool = False):
-        self.label = "raw mooncake+verify" if verify else "raw mooncake"
+    def __init__(self, raw, work: Workload, verify: bool = False, label: str = "raw mooncake"):
+        self.label = f"{label}+verify" if verify else label
         self.raw, self.verify = raw, verify
         self.src, self.dst = raw.register(work.src), raw.register(work.dst)
 

@@ -9,6 +9,10 @@ and fio (io_uring, O_DIRECT) on each file tier's filesystem at the same block si
 depth (1 for a batch of 1, else the nvme queue depth), and the frame checksum alone, in one
 thread and on every core (`tools.bench.checksum`). The mooncake tier runs twice: from
 registered buffers (zero-copy) and through its staging buffer; nvme runs with both engines.
+With the default policy the pool tier is measured a second time as `dram-files`, lent from
+a segment file in /dev/shm as the README sets it up (a block of the node is copied out of
+its lender's file, not moved by Mooncake's transfer), beside a raw client that lends from a
+file too; it is left out, and the reason said, where /dev/shm cannot hold both files.
 
 Every case moves about `op_bytes` per op (within [min_iters, max_iters] calls); a batch never
 holds more than `max_batch_bytes` (a 16 MiB x 64 batch is 1 GiB). The tiers are opened through
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -63,9 +68,18 @@ FULL = BenchSpec()
 QUICK = BenchSpec(op_bytes=64 * MiB, max_batch_bytes=128 * MiB, min_iters=2, max_iters=30)
 
 
+FILES_TIER = "dram-files"  # the pool lent from segment files, as in the README's setup
+SHM = Path("/dev/shm")
+
+
+def pool_mib(spec: BenchSpec) -> int:
+    """What each pool client of the bench lends: one batch and some."""
+    return -(-int(spec.max_batch_bytes * 1.25 + 64 * MiB) // MiB)
+
+
 def bench_policy(root: Path, spec: BenchSpec, master_address: str) -> Policy:
     """Tiers sized for the bench: the pool holds one batch, the disks a few."""
-    pool = -(-int(spec.max_batch_bytes * 1.25 + 64 * MiB) // MiB)
+    pool = pool_mib(spec)
     disk = max(4 * GiB, 4 * spec.max_batch_bytes)
     return policy_from_dict({
         "index": {"path": str(root / "index"), "map_size": "256MiB"},
@@ -77,6 +91,24 @@ def bench_policy(root: Path, spec: BenchSpec, master_address: str) -> Policy:
             {"name": "shared", "kind": "sharedfs", "path": str(root / "shared"),
              "capacity": disk},
         ]}, source="<bench policy>")
+
+
+def segment_dir_for(spec: BenchSpec, shm: Path = SHM) -> tuple[Path | None, str]:
+    """A fresh directory in /dev/shm for the files tier and its raw client, or None and why
+    not (each lends a file of `pool_mib`, allocated in full)."""
+    need = 2 * pool_mib(spec) * MiB
+    try:
+        st = os.statvfs(shm)
+    except OSError as e:
+        return None, f"{shm} is not usable ({e.strerror})"
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        return None, (f"{shm} has {free // MiB} MiB free and its two segment files need "
+                      f"{need // MiB} MiB (--quick needs less; Docker: --shm-size)")
+    try:
+        return Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=shm)), ""
+    except OSError as e:
+        return None, f"cannot make a directory in {shm} ({e.strerror})"
 
 
 def measure_group(targets: list, work: Workload, spec: BenchSpec, console: Console) -> list[Row]:
@@ -139,28 +171,40 @@ def _size(n: int) -> str:
     return f"{n // MiB}MiB" if n % MiB == 0 else f"{n // KiB}KiB"
 
 
+def _pool_group(cfg, ctx: TierContext, work: Workload, opened: list, ref: str) -> list:
+    """A pool tier from registered buffers and through staging, beside a raw client of the
+    same config, bare and with each frame checked."""
+    from kvtier.tiers.mooncake.raw_bench import RawMooncake
+    tier = open_tier(cfg, ctx)
+    opened.append(tier)
+    tier.register(work.src)  # zero-copy rounds use these; staging rounds ignore it
+    tier.register(work.dst)
+    raw = RawMooncake(cfg, ctx.master)
+    opened.append(raw)
+    return [TierTarget(f"{cfg.name}[zero-copy]", tier, ref, zero_copy=True),
+            TierTarget(f"{cfg.name}[staging]", tier, ref, zero_copy=False),
+            RawTarget(raw, work, label=ref), RawTarget(raw, work, verify=True, label=ref)]
+
+
 def _tier_targets(policy: Policy, ctx: TierContext, only: set[str] | None, work: Workload,
-                  console: Console) -> tuple[list[list], list]:
-    """Open every tier (and its variants); group what is measured side by side."""
+                  console: Console, segment_dir: Path | None = None) -> tuple[list[list], list]:
+    """Open every tier (and its variants); group what is measured side by side. With
+    `segment_dir`, the pool tier is also measured lent from files there (`FILES_TIER`)."""
     groups, opened = [], []
     for cfg in policy.tiers:
-        if only and cfg.name not in only and cfg.kind not in only:
-            continue
         try:
             if cfg.kind == "mooncake":
-                from kvtier.tiers.mooncake.raw_bench import RawMooncake
-                tier = open_tier(cfg, ctx)
-                opened.append(tier)
-                tier.register(work.src)  # zero-copy rounds use these; staging rounds ignore it
-                tier.register(work.dst)
-                raw = RawMooncake(cfg, ctx.master)
-                opened.append(raw)
-                groups.append([TierTarget(f"{cfg.name}[zero-copy]", tier, "raw mooncake",
-                                          zero_copy=True),
-                               TierTarget(f"{cfg.name}[staging]", tier, "raw mooncake",
-                                          zero_copy=False), RawTarget(raw, work),
-                               RawTarget(raw, work, verify=True)])
-            elif cfg.kind == "nvme":
+                if not only or cfg.name in only or cfg.kind in only:
+                    groups.append(_pool_group(cfg, ctx, work, opened, "raw mooncake"))
+                if segment_dir is not None and (not only or {FILES_TIER, cfg.kind} & only):
+                    files = cfg.model_copy(update={"name": FILES_TIER,
+                                                   "segment_dir": str(segment_dir)})
+                    groups.append(_pool_group(files, ctx, work, opened,
+                                              f"raw mooncake [{FILES_TIER}]"))
+                continue
+            if only and cfg.name not in only and cfg.kind not in only:
+                continue
+            if cfg.kind == "nvme":
                 group = []
                 for engine in ("uring", "psync"):
                     c = cfg.model_copy(update={
@@ -189,7 +233,7 @@ def run_bench(spec: BenchSpec, policy_path: Path | None = None, root: Path | Non
     console = console or Console(stderr=True)
     root = Path(root) if root else Path(tempfile.mkdtemp(prefix="kvtier-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    master = None
+    master = shm = None
     if policy_path is not None:
         policy = load_policy(policy_path)
         if any(t.kind == "mooncake" for t in policy.tiers):
@@ -197,15 +241,22 @@ def run_bench(spec: BenchSpec, policy_path: Path | None = None, root: Path | Non
     else:
         cfg = MasterConfig(address=f"127.0.0.1:{free_port()}", embedded=True)
         master = EmbeddedMaster(cfg, log_path=root / "master.log").start()
-        policy = bench_policy(root, spec, master.address)
-    index = Index(policy.index.path, policy.index.map_size_bytes,
-                  policy.index.max_map_size_bytes)
-    ctx = TierContext(index, "bench", policy.master)
+    index = None
     opened: list = []
     try:
+        if policy_path is None:
+            if only is None or FILES_TIER in only or "mooncake" in only:
+                shm, why = segment_dir_for(spec)
+                if shm is None:
+                    console.log(f"[yellow]skipping tier {FILES_TIER!r} (the README's setup): "
+                                f"{escape(why)}[/]")
+            policy = bench_policy(root, spec, master.address)
+        index = Index(policy.index.path, policy.index.map_size_bytes,
+                      policy.index.max_map_size_bytes)
+        ctx = TierContext(index, "bench", policy.master)
         work = Workload(max(spec.batch_of(b, n) * frame_size(b, SLOT_ALIGN)
                             for b in spec.sizes for n in spec.batches))
-        groups, opened = _tier_targets(policy, ctx, only, work, console)
+        groups, opened = _tier_targets(policy, ctx, only, work, console, shm)
         runs = []
         for _ in range(repeat):
             got, fio_done = [], {}
@@ -226,9 +277,12 @@ def run_bench(spec: BenchSpec, policy_path: Path | None = None, root: Path | Non
     finally:
         for thing in reversed(opened):
             thing.close()
-        index.close()
+        if index is not None:
+            index.close()
         if master is not None:
             master.stop()
+        if shm is not None:
+            shutil.rmtree(shm, ignore_errors=True)  # the lenders removed their files at close
     merged = bench_report.merge_runs(runs)
     rows = [r for r in merged if r.kind != "reference"]
     refs = [r for r in merged if r.kind == "reference"]

@@ -28,8 +28,10 @@ def tiers(policy: Optional[Path] = typer.Option(None, "--policy", "-p",
                                                   help="write the table as Markdown here"),
           quick: bool = typer.Option(False, "--quick", help="small batches, fewer rounds"),
           only: Optional[str] = typer.Option(None, "--tiers", help="comma-separated tier "
-                                             "names or kinds to measure; `verify`: the "
-                                             "frame check and the candidate hashes"),
+                                             "names or kinds to measure (`dram-files`: the "
+                                             "pool lent from /dev/shm files, the README's "
+                                             "setup); `verify`: the frame check and the "
+                                             "candidate hashes"),
           sizes: Optional[str] = typer.Option(None, help="block sizes, e.g. 256KiB,2MiB"),
           batches: Optional[str] = typer.Option(None, help="batch sizes, e.g. 1,64"),
           repeat: int = typer.Option(1, min=1, help="run N times, report medians"),
