@@ -54,7 +54,8 @@ def test_the_readme_setup_is_measured_beside_a_raw_client_of_its_own(tmp_path):
     assert set(bench_tiers.SHM.glob("kvtier-bench-*")) == before  # nothing left in /dev/shm
 
 
-def test_a_shm_too_small_for_the_files_tier_is_named(tmp_path, monkeypatch):
+def test_a_shm_or_memory_too_small_for_the_files_tier_is_named(tmp_path, monkeypatch):
+    assert bench_tiers._mem_available() > 0  # /proc/meminfo read
     shm, why = bench_tiers.segment_dir_for(TINY, tmp_path / "missing")
     assert shm is None and why == f"{tmp_path / 'missing'} is not usable (No such file or directory)"
 
@@ -66,6 +67,17 @@ def test_a_shm_too_small_for_the_files_tier_is_named(tmp_path, monkeypatch):
     need = 2 * bench_tiers.pool_mib(TINY)
     assert shm is None and why == (f"{tmp_path} has 0 MiB free and its two segment files "
                                    f"need {need} MiB (--quick needs less; Docker: --shm-size)")
+    assert not list(tmp_path.iterdir())
+
+    class Roomy:
+        f_bavail, f_frsize = 1 << 30, 4096
+
+    monkeypatch.setattr(bench_tiers.os, "statvfs", lambda path: Roomy())
+    monkeypatch.setattr(bench_tiers, "_mem_available", lambda: need * MiB)
+    shm, why = bench_tiers.segment_dir_for(TINY, tmp_path)
+    assert shm is None and why == (f"{need} MiB of memory available, and its two segment "
+                                   f"files need {need} MiB beside the private pool's "
+                                   "(--quick needs less)")
     assert not list(tmp_path.iterdir())
 
 

@@ -105,10 +105,26 @@ def segment_dir_for(spec: BenchSpec, shm: Path = SHM) -> tuple[Path | None, str]
     if free < need:
         return None, (f"{shm} has {free // MiB} MiB free and its two segment files need "
                       f"{need // MiB} MiB (--quick needs less; Docker: --shm-size)")
+    avail = _mem_available()
+    if avail is not None and avail < 2 * need:  # the files, and the private pool's as much
+        return None, (f"{avail // MiB} MiB of memory available, and its two segment files "
+                      f"need {need // MiB} MiB beside the private pool's (--quick needs less)")
     try:
         return Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=shm)), ""
     except OSError as e:
         return None, f"cannot make a directory in {shm} ({e.strerror})"
+
+
+def _mem_available() -> int | None:
+    """The kernel's estimate of the memory a new workload can take, in bytes (None: unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * KiB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def measure_group(targets: list, work: Workload, spec: BenchSpec, console: Console) -> list[Row]:
