@@ -12,7 +12,8 @@ registered buffers (zero-copy) and through its staging buffer; nvme runs with bo
 With the default policy the pool tier is measured a second time as `dram-files`, lent from
 a segment file in /dev/shm as the README sets it up (a block of the node is copied out of
 its lender's file, not moved by Mooncake's transfer), beside a raw client that lends from a
-file too; it is left out, and the reason said, where /dev/shm cannot hold both files.
+file too; it is left out, and the reason said, where /dev/shm or memory cannot hold both
+files.
 
 Every case moves about `op_bytes` per op (within [min_iters, max_iters] calls); a batch never
 holds more than `max_batch_bytes` (a 16 MiB x 64 batch is 1 GiB). The tiers are opened through
