@@ -153,7 +153,7 @@ class RecomputeModel:
         """This engine's fit, to share with engines of the same model on the node; None
         until it has timed `CLASS_MIN` prefills of its own."""
         with self._lock:
-            if self._prefills < CLASS_MIN:
+            if not self.shareable:
                 return None
             return {"coef": list(self._coef), "prefills": self._prefills}
 

@@ -206,14 +206,15 @@ def _pool_group(cfg, ctx: TierContext, work: Workload, opened: list, ref: str) -
 def _tier_targets(policy: Policy, ctx: TierContext, only: set[str] | None, work: Workload,
                   console: Console, segment_dir: Path | None = None) -> tuple[list[list], list]:
     """Open every tier (and its variants); group what is measured side by side. With
-    `segment_dir`, the pool tier is also measured lent from files there (`FILES_TIER`)."""
+    `segment_dir` (given where `only` asks for it), the pool tier is also measured lent from
+    files there (`FILES_TIER`)."""
     groups, opened = [], []
     for cfg in policy.tiers:
         try:
             if cfg.kind == "mooncake":
                 if not only or cfg.name in only or cfg.kind in only:
                     groups.append(_pool_group(cfg, ctx, work, opened, "raw mooncake"))
-                if segment_dir is not None and (not only or {FILES_TIER, cfg.kind} & only):
+                if segment_dir is not None:
                     files = cfg.model_copy(update={"name": FILES_TIER,
                                                    "segment_dir": str(segment_dir)})
                     groups.append(_pool_group(files, ctx, work, opened,
