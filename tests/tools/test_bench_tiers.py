@@ -4,7 +4,10 @@ JSON parsing and one real fio job, and the target rules."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -98,6 +101,26 @@ def test_cli_writes_json(tmp_path):
     assert "ratio" in result.output and "raw mooncake" in result.output
     md = (tmp_path / "bench.md").read_text()
     assert md.startswith("| target |") and "| dram[zero-copy] | get | 256KiB | 2 |" in md
+
+
+def test_a_tier_name_that_measures_nothing_is_refused_with_the_names_there(tmp_path):
+    """A typo in `--tiers` is an error naming what there is (it used to print an empty
+    table); it starts no master and leaves no temp dir behind."""
+    out = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "bench", "tiers",
+                          "--quick", "--tiers", "dram,nvme2", "--no-fio"],
+                         env={**os.environ, "TMPDIR": str(tmp_path)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr
+    assert out.stderr == ("kvtier: --tiers: no tier or kind named 'nvme2' here; choose from "
+                          "dram, dram-files, mooncake, nvme, shared, sharedfs, verify\n")
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_temp_dir_of_its_own_is_removed_after_a_clean_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_tiers.tempfile, "tempdir", str(tmp_path))
+    rows, _, _ = bench_tiers.run_bench(TINY, only={"shared"})
+    assert rows and {r.target for r in rows} == {"shared"}
+    assert not list(tmp_path.iterdir())
 
 
 def test_parse_fio_json():

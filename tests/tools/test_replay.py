@@ -182,6 +182,11 @@ def test_cli_simulates_a_generated_workload_retimed_with_selection(tmp_path):
     (["replay", "--simulate", "--population", "4"], "--population applies to the generated"),
     (["replay", "--simulate", "-w", "weka", "--population", "4"], "add -w forks"),
     (["replay", "--engine", "sim", "--population", "4"], "--population is a --simulate option"),
+    (["replay", "--simulate", "-w", "synthetic", "-w", "weka", "--traces", "/nonexistent"],
+     r"^/nonexistent/weka_cc_traces: not found, the weka trace; pass --traces \(or set "
+     r"KVTIER_TRACES\) to the folder that holds weka_cc_traces, or choose other workloads"),
+    (["replay", "--engine", "sim", "-w", "conversation", "--traces", "nope"],
+     r"^nope/conversation_trace.jsonl: not found \(from /.*\), the conversation trace"),
 ])
 def test_cli_errors_are_one_clear_line(args, msg):
     from kvtier.store.base.errors import KVTierError

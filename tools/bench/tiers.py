@@ -34,6 +34,7 @@ from rich.markup import escape
 
 from kvtier.store.base.block import frame_size
 from kvtier.store.base.config import MasterConfig, Policy, load_policy, policy_from_dict
+from kvtier.store.base.errors import ConfigError
 from kvtier.store.base.index import Index
 from kvtier.tiers.base import TierContext
 from kvtier.tiers.mooncake.master import EmbeddedMaster, ensure_master, free_port
@@ -244,31 +245,44 @@ def _tier_targets(policy: Policy, ctx: TierContext, only: set[str] | None, work:
     return groups, opened
 
 
+def _check_only(only: set[str] | None, policy: Policy, files: bool) -> None:
+    """Refuse names in `--tiers` that measure nothing (a typo would print an empty table)."""
+    known = {"verify"} | {t.name for t in policy.tiers} | {t.kind for t in policy.tiers}
+    if files and any(t.kind == "mooncake" for t in policy.tiers):
+        known.add(FILES_TIER)
+    unknown = sorted((only or set()) - known)
+    if unknown:
+        raise ConfigError(f"--tiers: no tier or kind named {', '.join(map(repr, unknown))} "
+                          f"here; choose from {', '.join(sorted(known))}")
+
+
 def run_bench(spec: BenchSpec, policy_path: Path | None = None, root: Path | None = None,
               only: set[str] | None = None, repeat: int = 1,
               console: Console | None = None) -> tuple[list[Row], list[Row], list[dict]]:
     """Measure every tier and reference `repeat` times; return (rows, references, targets)."""
     console = console or Console(stderr=True)
+    made = root is None  # a temp dir of ours: removed after a clean run, kept after an error
     root = Path(root) if root else Path(tempfile.mkdtemp(prefix="kvtier-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    master = shm = None
-    if policy_path is not None:
-        policy = load_policy(policy_path)
-        if any(t.kind == "mooncake" for t in policy.tiers):
-            master = ensure_master(policy.master)
-    else:
-        cfg = MasterConfig(address=f"127.0.0.1:{free_port()}", embedded=True)
-        master = EmbeddedMaster(cfg, log_path=root / "master.log").start()
-    index = None
+    master = shm = index = None
     opened: list = []
+    done = False
     try:
-        if policy_path is None:
+        if policy_path is not None:
+            policy = load_policy(policy_path)
+            _check_only(only, policy, files=False)
+            if any(t.kind == "mooncake" for t in policy.tiers):
+                master = ensure_master(policy.master)
+        else:
+            policy = bench_policy(root, spec, f"127.0.0.1:{free_port()}")
+            _check_only(only, policy, files=True)
+            cfg = MasterConfig(address=policy.master.address, embedded=True)
+            master = EmbeddedMaster(cfg, log_path=root / "master.log").start()
             if only is None or FILES_TIER in only or "mooncake" in only:
                 shm, why = segment_dir_for(spec)
                 if shm is None:
                     console.log(f"[yellow]skipping tier {FILES_TIER!r} (the README's setup): "
                                 f"{escape(why)}[/]")
-            policy = bench_policy(root, spec, master.address)
         index = Index(policy.index.path, policy.index.map_size_bytes,
                       policy.index.max_map_size_bytes)
         ctx = TierContext(index, "bench", policy.master)
@@ -292,6 +306,7 @@ def run_bench(spec: BenchSpec, policy_path: Path | None = None, root: Path | Non
                     for line in skipped:
                         console.log(f"[yellow]hash candidate skipped: {line}[/]")
             runs.append(got)
+        done = True
     finally:
         for thing in reversed(opened):
             thing.close()
@@ -301,6 +316,10 @@ def run_bench(spec: BenchSpec, policy_path: Path | None = None, root: Path | Non
             master.stop()
         if shm is not None:
             shutil.rmtree(shm, ignore_errors=True)  # the lenders removed their files at close
+        if made and (done or master is None):
+            shutil.rmtree(root, ignore_errors=True)
+        elif made:
+            console.log(f"kept {root} (its master.log) for the error")
     merged = bench_report.merge_runs(runs)
     rows = [r for r in merged if r.kind != "reference"]
     refs = [r for r in merged if r.kind == "reference"]

@@ -57,6 +57,21 @@ def _workloads(names: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+TRACE_FILES = {"weka": "weka_cc_traces", "conversation": "conversation_trace.jsonl"}
+
+
+def _traced(workloads: tuple[str, ...], traces: Path) -> tuple[str, ...]:
+    """`workloads`, once the traces they replay are known to be under `traces`."""
+    for w in workloads:
+        path = traces / TRACE_FILES.get(w, "")
+        if w in TRACE_FILES and not path.exists():
+            where = "" if traces.is_absolute() else f" (from {Path.cwd()})"
+            raise ReplayError(f"{path}: not found{where}, the {w} trace; pass --traces (or "
+                              f"set KVTIER_TRACES) to the folder that holds "
+                              f"{TRACE_FILES[w]}, or choose other workloads with -w")
+    return workloads
+
+
 def _one_workload(names: list[str]) -> str:
     """Engine replay takes one workload; with none chosen (all three), the synthetic one."""
     if list(names) == list(WORKLOADS):
@@ -203,7 +218,7 @@ def replay(
                           f"({', '.join(GENERATED)}); add -w forks (or chat, rag) or drop it")
     if soak is not None:
         _soak(engine, soak, fault_every, faults, json_out, ha, lambda: ce.EngineSpec(
-            engine="sim", workload=_one_workload(workload),
+            engine="sim", workload=_traced((_one_workload(workload),), traces)[0],
             instances=tuple(int(x) for x in _floats(instances, "--instances")),
             router=router, sessions=sessions or 8, live=live, turns=turns, scale=scale,
             speed=speed, dram=_floats(dram, "--dram"), baselines=(), kv_ratio=kv_ratio,
@@ -212,7 +227,7 @@ def replay(
             calibration=calibration, hosts=hosts, shared_fs=shared_fs))
     if engine is not None:
         ce.run_and_show(ce.EngineSpec(
-            engine=engine, workload=_one_workload(workload),
+            engine=engine, workload=_traced((_one_workload(workload),), traces)[0],
             instances=tuple(int(x) for x in _floats(instances, "--instances")),
             router=router, sessions=sessions or 8, live=live, turns=turns, scale=scale,
             speed=speed, dram=_floats(dram, "--dram"),
@@ -228,7 +243,7 @@ def replay(
                           "--calibrate")
     sessions = sessions or 64
     spec = RunSpec(
-        workloads=_workloads(workload), policies=_policies(policies),
+        workloads=_traced(_workloads(workload), traces), policies=_policies(policies),
         capacities=_floats(capacities, "--capacities"),
         tiered=None if tiered == "none" else _floats(tiered, "--tiered", 3),
         traces=traces, synthetic=SyntheticSpec(sessions=sessions, live=live or sessions,
