@@ -3,7 +3,11 @@
 - `get_num_new_matched_tokens`: keys for the request's full chunks (leaving at least one
   token to compute), one batched `store.lookup` of the whole chain (the store attaches the
   request to its session by it; only the chunks past vLLM's local hit are looked for in the
-  tiers), and the part of the hit beyond vLLM's local hit. The hit is in whole chunks; a
+  tiers), and the part of the hit beyond vLLM's local hit. The lookup runs off the
+  scheduler's thread (`connector.lookups`): one that does not answer within a few
+  milliseconds is answered None (vLLM asks again next step), and one that has not answered
+  when waiting has cost what recomputing the request would is given up (the request is
+  computed), so a tier that hangs never stalls the engine's other requests. The hit is in whole chunks; a
   chunk that starts inside the local hit is loaded without overwriting the local blocks. The
   load is asynchronous, or synchronous (done before the forward of the step that schedules
   the request) by the connector's `load` setting; `auto` loads synchronously when no other
@@ -59,6 +63,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector import storeref
 from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.lookups import PENDING, LookupGaveUp, Lookups
 from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob, StoreEvent
 from kvtier.connector.naming import (architecture, kv_groups, make_namespace, primary,
                                      rank_keys, request_salt, session_hint, token_keys)
@@ -171,6 +176,7 @@ class SchedulerSide:
         self.forward = not self.store.runs_mover
         self._events: list[StoreEvent] = []
         self.reqs: dict[str, _Req] = {}
+        self.lookups = Lookups()
         self.stats = KVTierStats()
         self._loads: list[LoadJob] = []
         self._hold: list[str] = []
@@ -195,7 +201,8 @@ class SchedulerSide:
                                            st.keys[-1] if st.keys else None)
         return st.keys[:n_chunks]
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed: int
+                                   ) -> tuple[int | None, bool]:
         st = self._state(request)
         limit = (request.num_tokens - 1) // self.chunk  # keep >= 1 token to compute
         if st is None or limit == 0:
@@ -205,17 +212,35 @@ class SchedulerSide:
         # the chunks past the local hit are looked for in the tiers.
         keys = self._keys(st, limit)
         first = num_computed // self.chunk
+        held = min(first, limit)
         t0 = time.perf_counter()
+        # waiting longer for the answer than recomputing what it could save is a loss
+        budget = (self.recompute.predict((limit - held) * self.chunk, held * self.chunk)
+                  if self.deadlines else float("inf"))
         try:
-            found = self.store.lookup(keys, st.hint, held=min(first, limit),
-                                      observe=not self.forward)
+            found = self.lookups.answer(
+                request.request_id, (limit, held),
+                lambda: self.store.lookup(keys, st.hint, held=held, observe=False), budget)
+        except LookupGaveUp as e:
+            log.warning("kvtier: lookup gave up, computing request %s: %s",
+                        request.request_id, e)
+            self.stats.add("lookups_given_up")
+            return 0, False
         except KVTierError as e:
             log.warning("kvtier: lookup failed, serving request %s without it: %s",
                         request.request_id, e)
             return 0, False
+        if found is PENDING:
+            return None, False
         st.looked_up = keys
         if self.forward:
-            self._forward_lookup(st, keys, found.hit_blocks, min(first, limit))
+            self._forward_lookup(st, keys, found.hit_blocks, held)
+        else:
+            try:
+                self.store.observe_lookup(keys, found.hit_blocks, st.hint, held)
+            except KVTierError as e:
+                log.warning("kvtier: session bookkeeping failed for %s: %s",
+                            request.request_id, e)
         log.debug("kvtier: lookup %s: %d of %d chunks (%d held locally) in %.2f ms",
                   request.request_id, found.hit_blocks, limit, min(first, limit),
                   (time.perf_counter() - t0) * 1e3)
@@ -679,6 +704,7 @@ class SchedulerSide:
         decode) are saved now, from blocks the scheduler must keep until the worker has
         gathered them and reports the request in `finished_sending`.
         """
+        self.lookups.forget(request.request_id)
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False, None
@@ -718,6 +744,7 @@ class SchedulerSide:
         return self.stats.take()
 
     def shutdown(self) -> None:
+        self.lookups.close()
         if self.store is not None:
             storeref.release(self.store)
             self.store = None

@@ -5,7 +5,9 @@
 per-batch durations. Counter names: `hit_tokens:<tier>` (scheduler, tokens loaded from each
 tier, counted once the workers say they landed), `recomputed_tokens` (scheduler: promised,
 then recomputed), `declined_tokens` (scheduler: found, recomputed because loading them
-would have taken longer), `lookups`, `lookup_tokens` (tokens asked for), `load_bytes`,
+would have taken longer), `lookups`, `lookup_tokens` (tokens asked for),
+`lookups_given_up` (lookups still unanswered when waiting had cost what recomputing the
+request would: the request was computed), `load_bytes`,
 `load_chunks`, `load_in_place_chunks` (of those, scattered straight from a pool segment file),
 `load_error_blocks`, `load_late_chunks` (chunks not loaded by their deadline),
 `load_late_starts` (load batches that started past the time their deadline left them, and
@@ -79,6 +81,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
 
     _COUNTERS = {
         "lookup_tokens": "Prompt tokens kvtier was asked about",
+        "lookups_given_up": "Lookups given up unanswered (a tier that hangs): the request "
+                            "was computed",
         "load_bytes": "Bytes loaded from kvtier into the paged KV cache",
         "load_in_place_chunks": "Chunks loaded straight from a pool segment file, no copy",
         "save_bytes": "Bytes saved from the paged KV cache into kvtier",

@@ -113,6 +113,19 @@ def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.05):
         time.sleep(every_s)
 
 
+def matched(sched, request, computed: int = 0, timeout_s: float = 30.0):
+    """The connector's `get_num_new_matched_tokens`, asked as vLLM asks it: again a step
+    later while it answers None (the lookup still runs off the scheduler's thread)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = sched.get_num_new_matched_tokens(request, computed)
+        if got[0] is not None:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no lookup answer in {timeout_s:.0f}s")
+        time.sleep(0.002)
+
+
 def answered(call, timeout_s: float = 30.0, held=None):
     """What `call` returns once the tier answers it again (after a reconnect in the
     background); every call before that must fail at once, not wait for the reconnect.

@@ -115,3 +115,30 @@ def test_a_stalled_lender_costs_the_deadline_then_a_recompute_not_a_hit(engines,
 
     wait_for(lambda: any(k != "unknown" and n > 0 for k, n in blamed().items()), 30,
              "b's counters naming the stalled lender")
+
+
+def test_a_frozen_master_costs_a_lookup_its_recompute_not_a_second_of_the_engine(
+        engines, cluster):
+    """The pool's master stops answering (SIGSTOP): a cold request's lookup waits for the
+    pool at most what recomputing the request costs, off the scheduler's thread, and the
+    request is computed (before, the lookup held the scheduler, and every running request
+    with it, for the tier's `call_timeout_s` of 1 s)."""
+    b = engine(engines, cluster, "b")
+    warm = [random_prompt(seed, 2048) for seed in (70, 71, 72)]
+    for prompt in warm:  # b times its own prefills: a 512-token one costs it milliseconds
+        ttft(b, prompt)
+    # b's own calls to the pool are done: the lookup below is the first to meet the freeze
+    wait_for(lambda: all(in_pool(cluster, p) for p in warm), 30, "b's saves")
+    colds = [ttft(b, random_prompt(seed, 512))[1] for seed in (73, 74, 75)]
+    prompt = random_prompt(76, 512)
+    os.kill(cluster.master.proc.pid, signal.SIGSTOP)
+    try:
+        out, frozen = ttft(b, prompt)
+    finally:
+        os.kill(cluster.master.proc.pid, signal.SIGCONT)
+    assert out.token_ids == engines.baseline(prompt, 1).token_ids
+    assert out.kv_transfer_params["kvtier"]["hit_tokens"] == {}
+    # a fraction of the second the lookup used to hold the engine for (the tier's
+    # call_timeout_s), and within a few colds of its own size
+    assert frozen < 0.5 and frozen < 4 * max(colds) + 0.1, f"TTFT {frozen:.3f}s, colds {colds}"
+    assert "lookup gave up, computing request" in (engines.logs / "b.log").read_text()

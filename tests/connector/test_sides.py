@@ -27,7 +27,7 @@ from kvtier.store.base.config import policy_from_dict  # noqa: E402
 from kvtier.store.base.keys import block_keys  # noqa: E402
 from kvtier.tools.vllm_engine import random_prompt  # noqa: E402
 
-from conftest import wait_until  # noqa: E402
+from conftest import matched, wait_until  # noqa: E402
 from engine_util import files_of  # noqa: E402
 
 BS, CHUNK, NB, L, H, D = 32, 64, 128, 2, 2, 64
@@ -125,7 +125,7 @@ def blocks_of(caches, ids):
 
 def save_prompt(s, req_id, tokens, ids):
     r = request(req_id, tokens)
-    assert s.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert matched(s.sched, r, 0) == (0, False)
     s.sched.update_state_after_alloc(r, blocks(ids), 0)
     meta = step(s.sched, [(req_id, ids, 0)], {req_id: len(tokens)})
     assert [len(j.keys) for j in meta.saves] == [len(tokens) // CHUNK]
@@ -137,7 +137,7 @@ def save_prompt(s, req_id, tokens, ids):
 
 def load_into(s, req_id, tokens, ids, local=0, tiers=None):
     r = request(req_id, tokens)
-    n, is_async = s.sched.get_num_new_matched_tokens(r, local)
+    n, is_async = matched(s.sched, r, local)
     assert is_async and n > 0
     s.sched.update_state_after_alloc(r, blocks(ids), n)
     meta = step(s.sched)
@@ -259,7 +259,7 @@ def test_final_save_at_request_end_holds_the_blocks_until_gathered(sides):
     tokens = random_prompt(4, 140)
     ids = list(range(0, 5))
     r = request("r1", tokens[:127])  # async scheduling: token 127's id not known yet
-    sides.sched.get_num_new_matched_tokens(r, 0)
+    matched(sides.sched, r, 0)
     sides.sched.update_state_after_alloc(r, blocks(ids), 0)
     meta = step(sides.sched, [("r1", ids, 0)], {"r1": 130})
     assert [len(j.keys) for j in meta.saves] == [1]  # chunk 1 is computed, not yet keyable
@@ -303,7 +303,7 @@ def test_a_hit_slower_to_load_than_to_compute_is_declined_and_said_so(deadline_s
         rates.observe("shared", 1 << 20, 10.0)
     assert rates.predict("shared", 4 * CHUNK * 1024) > 1.0  # 4 chunks of 64 KiB: > 1 s
     r = request("r2", tokens)
-    n, _ = sides.sched.get_num_new_matched_tokens(r, 0)
+    n, _ = matched(sides.sched, r, 0)
     assert n == 0
     r.num_computed_tokens = 300
     sides.sched.update_state_after_alloc(r, blocks(range(50, 60)), 0)
@@ -346,7 +346,7 @@ def test_an_idle_engine_plans_a_hit_with_the_model_another_engine_published_mean
                                   {"coef": [0.002, 7e-5, 0.0], "prefills": CLASS_MIN})
     s.sched._prefill_shared -= SHARE_EVERY_S  # idle since: a second without a step
     r = request("r2", tokens)
-    n, _ = s.sched.get_num_new_matched_tokens(r, 0)
+    n, _ = matched(s.sched, r, 0)
     assert n == 4 * CHUNK
     s.sched.update_state_after_alloc(r, blocks(range(20, 30)), n)
     (job,) = step(s.sched).loads
@@ -360,7 +360,7 @@ def promised(s, seed: int, dst: list[int]):
     tokens = random_prompt(seed, 300)
     save_prompt(s, "r1", tokens, list(range(0, 10)))
     r = request("r2", tokens)
-    n, _ = s.sched.get_num_new_matched_tokens(r, 0)
+    n, _ = matched(s.sched, r, 0)
     s.sched.update_state_after_alloc(r, blocks(dst), n)
     return r, n
 
@@ -465,7 +465,7 @@ def test_session_hints_reach_the_store_and_later_turns_are_inferred(sides):
     for req_id, tokens, params in (("t1", turn1, hint), ("t2", turn1 + random_prompt(7, 200),
                                                         None)):
         r = request(req_id, tokens, params=params)
-        sides.sched.get_num_new_matched_tokens(r, 0)
+        matched(sides.sched, r, 0)
         ids = list(range(len(tokens) // BS + 1))
         sides.sched.update_state_after_alloc(r, blocks(ids), 0)
         run_worker(sides.worker, step(sides.sched, [(req_id, ids, 0)], {req_id: len(tokens)}))
@@ -489,7 +489,7 @@ def test_a_turn_ending_on_a_tool_call_is_learned_as_a_tool_wait(sides):
         sides.sched.forward = forward
         tokens = random_prompt(9 + forward, 300)
         r = request(req_id, tokens, params={"kvtier": {"session_id": req_id}})
-        sides.sched.get_num_new_matched_tokens(r, 0)
+        matched(sides.sched, r, 0)
         ids = list(range(len(tokens) // BS + 1))
         sides.sched.update_state_after_alloc(r, blocks(ids), 0)
         run_worker(sides.worker, step(sides.sched, [(req_id, ids, 0)], {req_id: len(tokens)}))
@@ -533,8 +533,8 @@ def test_with_the_workers_elsewhere_lookups_and_turn_ends_reach_their_store(side
     tokens = random_prompt(8, 300)
     r = request("f1", tokens, params={"kvtier": {"session_id": "agent-9",
                                                  "expected_gap_s": 2.0}})
-    sides.sched.get_num_new_matched_tokens(r, 0)
-    sides.sched.get_num_new_matched_tokens(r, 0)  # vLLM asks again while it cannot place it
+    matched(sides.sched, r, 0)
+    matched(sides.sched, r, 0)  # vLLM asks again while it cannot place it
     ids = list(range(len(tokens) // BS + 1))
     sides.sched.update_state_after_alloc(r, blocks(ids), 0)
     meta = step(sides.sched, [("f1", ids, 0)], {"f1": len(tokens)})
@@ -564,7 +564,7 @@ def load_now(s, req_id, tokens, ids):
     """A lookup that `load: auto` answers with a synchronous load, scheduled in this step;
     returns (tokens loaded, the step's metadata) once `start_load_kv` returned."""
     r = request(req_id, tokens)
-    n, is_async = s.sched.get_num_new_matched_tokens(r, 0)
+    n, is_async = matched(s.sched, r, 0)
     assert n > 0 and not is_async
     s.sched.update_state_after_alloc(r, blocks(ids), n)
     meta = step(s.sched, [(req_id, ids, n)], {req_id: len(tokens) - n})
@@ -593,14 +593,14 @@ def test_auto_loads_in_the_background_while_other_requests_run(sides):
     tokens = random_prompt(10, 300)
     save_prompt(sides, "r1", tokens, list(range(0, 10)))
     busy = request("busy", random_prompt(11, 40))
-    sides.sched.get_num_new_matched_tokens(busy, 0)
+    matched(sides.sched, busy, 0)
     sides.sched.update_state_after_alloc(busy, blocks([60, 61]), 0)
     step(sides.sched, [("busy", [60, 61], 0)], {"busy": 40})  # now running
     r = request("r2", tokens)
-    assert sides.sched.get_num_new_matched_tokens(r, 0) == (4 * CHUNK, True)
+    assert matched(sides.sched, r, 0) == (4 * CHUNK, True)
     busy.num_computed_tokens = 40
     sides.sched.request_finished(busy, ([60, 61],))
-    assert sides.sched.get_num_new_matched_tokens(r, 0) == (4 * CHUNK, False)
+    assert matched(sides.sched, r, 0) == (4 * CHUNK, False)
 
 
 def test_a_corrupt_chunk_in_a_synchronous_load_fails_its_blocks_in_the_same_step(sides):
@@ -749,7 +749,7 @@ def test_the_mover_is_told_while_a_prompt_is_prefilled_in_chunks(sides):
     tokens = random_prompt(3, 4 * CHUNK)
     ids = list(range(0, 4 * CHUNK // 16))
     r = request("r1", tokens)
-    sides.sched.get_num_new_matched_tokens(r, 0)
+    matched(sides.sched, r, 0)
     sides.sched.update_state_after_alloc(r, blocks(ids), 0)
     meta = step(sides.sched, [("r1", ids, 0)], {"r1": 2 * CHUNK})  # the first half
     assert meta.prefill and meta.prefill_continues

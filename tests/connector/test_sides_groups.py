@@ -27,6 +27,7 @@ from kvtier.connector.worker import WorkerSide  # noqa: E402
 from kvtier.store.base.config import policy_from_dict  # noqa: E402
 from kvtier.tools.vllm_engine import random_prompt  # noqa: E402
 
+from conftest import matched  # noqa: E402
 from engine_util import files_of  # noqa: E402
 
 BS, CHUNK, NB, H, D = 32, 64, 256, 2, 64
@@ -117,7 +118,7 @@ def idle(s):
 
 def save(s, req_id, tokens, full_ids, swa_ids):
     r = request(req_id, tokens)
-    assert s.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert matched(s.sched, r, 0) == (0, False)
     meta = step(s.sched, [(req_id, (swa_ids, full_ids), 0)], {req_id: len(tokens)})
     s.worker.wait_for_save(meta)
     idle(s)
@@ -149,7 +150,7 @@ def test_the_window_group_stores_only_what_a_window_reaches_and_loads_only_that(
     assert sides.worker.get_stats().data["counters"]["save_chunks"] == 13
 
     r = request("b", tokens)
-    n, is_async = sides.sched.get_num_new_matched_tokens(r, 0)
+    n, is_async = matched(sides.sched, r, 0)
     assert (n, is_async) == (10 * CHUNK, True)  # several groups: async loads only
     full_b, swa_b = list(range(100, 100 + nb)), window_ids(nb, 10 * CHUNK, 150)
     sides.sched.update_state_after_alloc(
@@ -179,10 +180,10 @@ def test_no_hit_ends_where_the_window_before_it_was_not_stored(sides):
     # every full-attention chunk of a shorter prompt is stored, but not the window before
     # its end: recomputing beats a hit whose sliding-window layers would read nothing
     short = request("b", tokens[:5 * CHUNK + 1])
-    assert sides.sched.get_num_new_matched_tokens(short, 0) == (0, False)
+    assert matched(sides.sched, short, 0) == (0, False)
     # one chunk short of the prompt's end: its window (chunks 7 and 8) is stored
     nine = request("c", tokens[:9 * CHUNK + 1])
-    assert sides.sched.get_num_new_matched_tokens(nine, 0) == (9 * CHUNK, True)
+    assert matched(sides.sched, nine, 0) == (9 * CHUNK, True)
 
 
 def test_a_window_chunk_lost_before_its_load_recomputes_the_request(sides):
@@ -190,7 +191,7 @@ def test_a_window_chunk_lost_before_its_load_recomputes_the_request(sides):
     nb = 10 * M + 1
     save(sides, "a", tokens, list(range(1, 1 + nb)), list(range(30, 30 + nb)))
     r = request("b", tokens)
-    n, _ = sides.sched.get_num_new_matched_tokens(r, 0)
+    n, _ = matched(sides.sched, r, 0)
     full_b, swa_b = list(range(100, 100 + nb)), window_ids(nb, 10 * CHUNK, 150)
     sides.sched.update_state_after_alloc(
         r, SimpleNamespace(get_block_ids=lambda: (swa_b, full_b)), n)
@@ -225,7 +226,7 @@ def test_a_fork_from_the_middle_of_a_stored_prompt_stores_its_window_for_the_nex
     assert swa_saved.block_ids == [swa_b[c * M:(c + 1) * M] for c in (3, 4, 7, 8, 9)]
 
     r = request("c", shared + random_prompt(6, 5 * CHUNK + 1))
-    n, is_async = sides.sched.get_num_new_matched_tokens(r, 0)
+    n, is_async = matched(sides.sched, r, 0)
     assert (n, is_async) == (5 * CHUNK, True)
     full_c, swa_c = list(range(120, 120 + nb)), window_ids(nb, 5 * CHUNK, 160)
     sides.sched.update_state_after_alloc(

@@ -1,0 +1,88 @@
+"""Lookups off the scheduler's thread: a tier that stops answering holds one request, not
+the engine.
+
+vLLM asks the connector how much of a prompt it holds (`get_num_new_matched_tokens`) on the
+thread that schedules every step. A lookup that waits there (a pool master that is frozen or
+cut off answers nothing, and each tier waits its `call_timeout_s`, 1 s by default, before it
+gives up) stalls every running request's next token with it. So each lookup runs on a
+thread of its own, and the scheduler waits for it at most `INLINE_S`, or the request's own
+budget if smaller. A healthy lookup (a few milliseconds) is answered within that wait, as
+before; one that is not is answered "not yet" (vLLM asks again at its next step and
+schedules the other requests meanwhile). A lookup still unanswered when waiting for it has
+cost what recomputing the request's tokens would (its budget) is given up: the request is
+computed, and its lookup left to end on its thread (later lookups queue behind it, each
+with a budget of its own).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+# The most a lookup may hold the scheduler's thread. A healthy lookup of a 16K-token prompt
+# (one pool query, a few index reads) takes ~1-3 ms; one that takes longer costs its request
+# one engine step (vLLM asks again), where waiting would cost every running request.
+INLINE_S = 0.01
+
+PENDING = object()  # `answer`: no answer yet; ask again at the next step
+
+
+class LookupGaveUp(Exception):
+    """A lookup had no answer within its request's budget."""
+
+
+@dataclass
+class _Asked:
+    what: Hashable       # the question (a request asked again about the same thing reuses it)
+    call: Future
+    since: float
+    until: float
+
+
+class Lookups:
+    """Each request's lookup on one worker thread, waited for a bounded time per ask."""
+
+    def __init__(self, inline_s: float = INLINE_S):
+        self.inline_s = inline_s
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
+        self._asked: dict[str, _Asked] = {}
+
+    def answer(self, rid: str, what: Hashable, fn: Callable[[], Any],
+               budget_s: float = math.inf) -> Any:
+        """`fn()`'s result (its exception raised) for request `rid`; `PENDING` while it runs.
+        The first ask about `what` starts `fn` (asked again about something else, the old
+        answer is dropped); past `budget_s` from then, `LookupGaveUp`."""
+        asked = self._asked.get(rid)
+        now = time.monotonic()
+        if asked is None or asked.what != what:
+            asked = self._asked[rid] = _Asked(what, self._pool.submit(fn), now, now + budget_s)
+        try:
+            result = asked.call.result(timeout=max(0.0, min(self.inline_s, asked.until - now)))
+        except FutureTimeout:
+            if time.monotonic() < asked.until:
+                return PENDING
+            del self._asked[rid]
+            raise LookupGaveUp(f"no answer in {time.monotonic() - asked.since:.3f}s "
+                               f"(budget {budget_s:.3f}s)") from None
+        except BaseException:
+            del self._asked[rid]
+            raise
+        del self._asked[rid]
+        return result
+
+    def pending(self) -> int:
+        """Requests whose lookup has not answered yet."""
+        return len(self._asked)
+
+    def forget(self, rid: str) -> None:
+        """Drop `rid`'s lookup (its request ended); a call still running ends on its own."""
+        self._asked.pop(rid, None)
+
+    def close(self) -> None:
+        """Take no more lookups; one still running ends on its thread."""
+        self._asked.clear()
+        self._pool.shutdown(wait=False)
