@@ -7,7 +7,8 @@ Fields (all optional; unknown ones are errors):
 - `node_id`: this instance's node name in the index (default: the host name).
 - `staging_buffer`: bytes of one staging buffer (default 64MiB; a batch of chunks moves
   through one buffer), `staging_buffers`: how many may be in flight for saves (default 4;
-  more saves wait, they are never dropped).
+  more saves wait for one, up to a second: saves stuck longer, behind a tier that hangs,
+  are dropped and counted until one frees, so the engine never waits on them).
 - `load`: when a hit is loaded. `async` (default): in the background while the engine runs
   other requests; the request joins the next step once its load is done. `sync`: within
   the step that schedules the request, before its forward (no step in between, but every

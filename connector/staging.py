@@ -8,7 +8,8 @@ buffer is pinned, and a device mirror of the same size takes the gather/scatter;
 copy moves the whole mirror, headers and all (the fastest way across PCIe: DESIGN.md).
 
 `StagingPool` bounds the memory in flight. The caller guarantees it releases every buffer it
-acquires; `acquire` blocks while all are taken (backpressure on saves, never a drop).
+acquires; `acquire` blocks while all are taken, up to its caller's bound (backpressure on
+saves: the worker drops saves only when none has freed a buffer in a second).
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ request would: the request was computed), `load_bytes`,
 `load_late_starts` (load batches that started past the time their deadline left them, and
 got their grace from their start),
 `lender_failures:<lender>` (pool blocks whose read failed or came late, by the transport
-endpoint of the process lending them), `save_bytes`, `save_chunks`, `save_failed_chunks`.
+endpoint of the process lending them), `save_bytes`, `save_chunks`, `save_failed_chunks`,
+`save_dropped_chunks` (not saved: the saves before them were stuck behind a tier that hangs,
+and the engine's step does not wait for them).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         "load_late_starts": "Load batches that started late, behind other loads, and got "
                             "their grace from their start",
         "save_failed_chunks": "Chunks kvtier could not save",
+        "save_dropped_chunks": "Chunks not saved because the saves before them were stuck "
+                               "(a tier that hangs); the engine did not wait",
     }
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):

@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 # How long a step with nothing to compute may wait for a load to finish. Short, so requests
 # arriving meanwhile are not held up; long enough to stop spinning through empty steps.
 IDLE_WAIT_S = 0.02
+# The most a step waits for a staging buffer to save into (all in flight): a healthy tier
+# frees one in well under this (a 64 MiB buffer at 100 MB/s, a slow network mount, in 0.64
+# s); saves that free none by then are stuck behind a tier that hangs.
+SAVE_WAIT_S = 1.0
 # How long a step's end waits for the load thread to report the loads it cut (`collect`);
 # one it did not report by then is reported at the next step's end.
 COLLECT_WAIT_S = 0.005
@@ -80,6 +84,7 @@ class _Group:
         self.paged: PagedKV | None = None
         self.io: IOThread | None = None
         self.save_pool: StagingPool | None = None
+        self.saves_stuck = False  # no staging buffer freed within SAVE_WAIT_S (`_gather`)
         self.m = 0  # vLLM blocks per frame
 
 
@@ -295,12 +300,29 @@ class WorkerSide:
         keys = rank_keys(job.keys, group.fingerprint)
         step = group.save_pool.capacity
         for s in range(0, len(keys), step):
-            buf = group.save_pool.acquire()  # waits while all are in flight: backpressure
+            # Backpressure while every buffer is in flight, bounded: saves that free none in
+            # SAVE_WAIT_S are stuck (a put to a pool master that froze waits for Mooncake's
+            # RPC timeout, 30 s), and the engine's step must not wait with them. Until one
+            # frees, the saves of later steps are dropped at once instead.
+            buf = group.save_pool.acquire(0.0 if group.saves_stuck else SAVE_WAIT_S)
+            if buf is None:
+                self._drop_saves(group, job, len(keys) - s)
+                return
+            group.saves_stuck = False
             ready = stage_save(group.paged, buf, job.block_ids[s:s + step], group.m)
             if ready is not None and job.req_id in self._held:  # its blocks wait for this
                 self._gathers.setdefault(job.req_id, []).append(ready)
             group.io.submit_save(SaveBatch(job.req_id, keys[s:s + step], buf, job.hint,
                                            ready))
+
+    def _drop_saves(self, group: _Group, job: SaveJob, chunks: int) -> None:
+        if not group.saves_stuck:
+            log.warning("kvtier: saves are stuck (no staging buffer freed in %.1f s: a tier "
+                        "that hangs?); dropping new saves until one frees, from request %s's",
+                        SAVE_WAIT_S, job.req_id)
+        group.saves_stuck = True
+        with self.stats_lock:
+            self.stats.add("save_dropped_chunks", chunks)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finished_seen |= finished_req_ids

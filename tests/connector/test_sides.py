@@ -9,6 +9,7 @@ middle of a load, a request aborted while its load is queued.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -189,6 +190,43 @@ def test_save_then_load_into_other_blocks(sides):
     merged = worker_stats.aggregate(sched_stats).reduce()
     assert merged["load_chunks"] == 4 and merged["load_ms_avg"] > 0
     assert sides.worker.get_stats() is None  # taken: the next interval starts empty
+
+
+def test_saves_stuck_behind_a_tier_drop_new_ones_instead_of_holding_the_step(sides):
+    """Every staging buffer held by saves that do not end (a put to a frozen master waits
+    30 s): a step waits for one at most `SAVE_WAIT_S`, the steps after it not at all, and
+    the chunks they would have saved are counted as dropped; once a buffer frees, saves
+    land again."""
+    from kvtier.connector.worker import SAVE_WAIT_S
+    pool = sides.worker.main.save_pool
+    held = [pool.acquire() for _ in range(pool.max_buffers)]
+    try:
+        waits = []
+        for i in range(3):
+            tokens = random_prompt(90 + i, 2 * CHUNK)
+            r = request(f"s{i}", tokens)
+            assert matched(sides.sched, r, 0) == (0, False)
+            ids = list(range(10 * i, 10 * i + 4))
+            sides.sched.update_state_after_alloc(r, blocks(ids), 0)
+            meta = step(sides.sched, [(r.request_id, ids, 0)], {r.request_id: len(tokens)})
+            t0 = time.monotonic()
+            saving = threading.Thread(target=sides.worker.wait_for_save, args=(meta,),
+                                      daemon=True)
+            saving.start()
+            saving.join(SAVE_WAIT_S + 5)  # a step that waits on them would wait 30 s
+            assert not saving.is_alive(), "the step waits for saves that do not end"
+            waits.append(time.monotonic() - t0)
+        assert SAVE_WAIT_S * 0.9 <= waits[0] < SAVE_WAIT_S + 1.0, waits
+        assert max(waits[1:]) < 0.2, waits  # stuck: the later steps do not wait
+        counters = sides.worker.get_stats().data["counters"]
+        assert counters["save_dropped_chunks"] == 3 * 2 and "save_chunks" not in counters
+    finally:
+        for buf in held:
+            pool.release(buf)
+    tokens = random_prompt(99, 2 * CHUNK)
+    save_prompt(sides, "after", tokens, [40, 41, 42, 43])
+    counters = sides.worker.get_stats().data["counters"]
+    assert counters["save_chunks"] == 2 and "save_dropped_chunks" not in counters
 
 
 def test_stats_reach_prometheus():
