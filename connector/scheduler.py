@@ -6,12 +6,13 @@
   tiers), and the part of the hit beyond vLLM's local hit. The lookup runs off the
   scheduler's thread (`connector.lookups`): one that does not answer within a few
   milliseconds is answered None (vLLM asks again next step), and one that has not answered
-  when waiting has cost what recomputing the request would is given up (the request is
-  computed), so a tier that hangs never stalls the engine's other requests. The hit is in whole chunks; a
-  chunk that starts inside the local hit is loaded without overwriting the local blocks. The
-  load is asynchronous, or synchronous (done before the forward of the step that schedules
-  the request) by the connector's `load` setting; `auto` loads synchronously when no other
-  request of the engine is running (nothing for the load to overlap with).
+  when waiting has cost what recomputing the request would (at least that inline wait) is
+  given up and the request computed, so a tier that hangs never stalls the engine's other
+  requests. The hit is in whole chunks; a chunk that starts inside the local hit is loaded
+  without overwriting the local blocks. The load is asynchronous, or synchronous (done
+  before the forward of the step that schedules the request) by the connector's `load`
+  setting; `auto` loads synchronously when no other request of the engine is running
+  (nothing for the load to overlap with).
 - The hit is planned before it is promised (`connector.recompute`): only the prefix whose
   load beats recomputing it is loaded (from the tiers' measured read rates and the engine's
   own prefill cost, learned from its steps), with a deadline past which what has not
@@ -214,9 +215,11 @@ class SchedulerSide:
         first = num_computed // self.chunk
         held = min(first, limit)
         t0 = time.perf_counter()
-        # waiting longer for the answer than recomputing what it could save is a loss
-        budget = (self.recompute.predict((limit - held) * self.chunk, held * self.chunk)
-                  if self.deadlines else float("inf"))
+        # Waiting longer for the answer than recomputing what it could save is a loss; but
+        # never less than the inline wait, in which a healthy lookup answers (it also ties
+        # the request to its session, which a prompt held locally still needs).
+        budget = (max(self.lookups.inline_s, self.recompute.predict(
+            (limit - held) * self.chunk, held * self.chunk)) if self.deadlines else float("inf"))
         try:
             found = self.lookups.answer(
                 request.request_id, (limit, held),
@@ -242,7 +245,7 @@ class SchedulerSide:
                 log.warning("kvtier: session bookkeeping failed for %s: %s",
                             request.request_id, e)
         log.debug("kvtier: lookup %s: %d of %d chunks (%d held locally) in %.2f ms",
-                  request.request_id, found.hit_blocks, limit, min(first, limit),
+                  request.request_id, found.hit_blocks, limit, held,
                   (time.perf_counter() - t0) * 1e3)
         self.stats.add("lookups")
         self.stats.add("lookup_tokens", max(0, limit * self.chunk - num_computed))

@@ -216,8 +216,8 @@ def test_saves_stuck_behind_a_tier_drop_new_ones_instead_of_holding_the_step(sid
             saving.join(SAVE_WAIT_S + 5)  # a step that waits on them would wait 30 s
             assert not saving.is_alive(), "the step waits for saves that do not end"
             waits.append(time.monotonic() - t0)
-        assert SAVE_WAIT_S * 0.9 <= waits[0] < SAVE_WAIT_S + 1.0, waits
-        assert max(waits[1:]) < 0.2, waits  # stuck: the later steps do not wait
+        assert SAVE_WAIT_S * 0.9 <= waits[0] < SAVE_WAIT_S + 3.0, waits
+        assert max(waits[1:]) < 0.5, waits  # stuck: the later steps do not wait
         counters = sides.worker.get_stats().data["counters"]
         assert counters["save_dropped_chunks"] == 3 * 2 and "save_chunks" not in counters
     finally:
