@@ -20,7 +20,7 @@ Fields (all optional; unknown ones are errors):
   for a tool. An empty list: every turn is one gap class.
 - `load_deadline` (default true): load only the part of a hit that beats recomputing it,
   and give up on what has not arrived by the time waiting would cost more than it saves
-  (`connector/recompute.py`); false loads every hit whatever it takes.
+  (`connector/plan/recompute.py`); false loads every hit whatever it takes.
 - `prefill_tokens_per_s` (default 2000): the engine's prefill rate until it has timed its
   own steps (a few seconds of serving); a guess on the slow side only lengthens deadlines.
 

@@ -4,7 +4,7 @@
   token to compute), one batched `store.lookup` of the whole chain (the store attaches the
   request to its session by it; only the chunks past vLLM's local hit are looked for in the
   tiers), and the part of the hit beyond vLLM's local hit. The lookup runs off the
-  scheduler's thread (`connector.lookups`): one that does not answer within a few
+  scheduler's thread (`connector.plan.lookups`): one that does not answer within a few
   milliseconds is answered None (vLLM asks again next step), and one that has not answered
   when waiting has cost what recomputing the request would (at least that inline wait) is
   given up and the request computed, so a tier that hangs never stalls the engine's other
@@ -13,7 +13,7 @@
   before the forward of the step that schedules the request) by the connector's `load`
   setting; `auto` loads synchronously when no other request of the engine is running
   (nothing for the load to overlap with).
-- The hit is planned before it is promised (`connector.recompute`): only the prefix whose
+- The hit is planned before it is promised (`connector.plan.recompute`): only the prefix whose
   load beats recomputing it is loaded (from the tiers' measured read rates and the engine's
   own prefill cost, learned from its steps), with a deadline past which what has not
   arrived is recomputed; a request whose load failed is not promised a hit again.
@@ -64,11 +64,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector import storeref
 from kvtier.connector.config import ConnectorConfig
-from kvtier.connector.lookups import PENDING, LookupGaveUp, Lookups
+from kvtier.connector.plan.lookups import PENDING, LookupGaveUp, Lookups
 from kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob, StoreEvent
 from kvtier.connector.naming import (architecture, kv_groups, make_namespace, primary,
                                      rank_keys, request_salt, session_hint, token_keys)
-from kvtier.connector.recompute import RecomputeModel, plan_load
+from kvtier.connector.plan.recompute import RecomputeModel, plan_load
 from kvtier.connector.stats import KVTierStats
 from kvtier.connector.tool_calls import detect_tool_call_ids, gap_class
 from kvtier.store.base.block import HEADER_SIZE

@@ -1,4 +1,4 @@
-"""Lookups off the scheduler's thread (`connector.lookups`): answered in the same call when
+"""Lookups off the scheduler's thread (`connector.plan.lookups`): answered in the same call when
 quick, "not yet" while they run, given up past their budget, and never holding the caller
 longer than the inline wait."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvtier.connector.lookups import PENDING, LookupGaveUp, Lookups
+from kvtier.connector.plan.lookups import PENDING, LookupGaveUp, Lookups
 from kvtier.store.base.errors import TierUnavailableError
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvtier.connector.recompute import (GRACE, MARGIN, RecomputeModel,
+from kvtier.connector.plan.recompute import (GRACE, MARGIN, RecomputeModel,
                                         plan_load)
 
 CHUNK = 256
@@ -152,7 +152,7 @@ def test_the_measured_bounds_are_the_medians_of_every_step_on_each_side():
     import math
     import statistics
 
-    from kvtier.connector.recompute import CLASS_MIN, CLASS_STEPS
+    from kvtier.connector.plan.recompute import CLASS_MIN, CLASS_STEPS
     model = RecomputeModel(prior_tokens_per_s=2000, max_batch_tokens=8192)
     rng = random.Random(7)
     steps: dict = {}
@@ -189,7 +189,7 @@ def test_the_fit_kept_step_by_step_is_the_fit_of_the_last_window_of_steps():
     """The model keeps its normal equations up to date as steps come and go from its window
     (no refit reads the whole window on the scheduler's thread): after many windows, the
     fit equals one made from the window's steps alone, and one from different steps differs."""
-    from kvtier.connector import recompute as rc
+    from kvtier.connector.plan import recompute as rc
     model = RecomputeModel()
     engine_steps(model, 0.004, 2e-5, 1e-9, n=3 * rc.WINDOW + 37, seed=3)
     rows = list(model._rows)

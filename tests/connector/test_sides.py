@@ -20,7 +20,7 @@ import torch
 vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
 
 from kvtier.connector.config import ConnectorConfig  # noqa: E402
-from kvtier.connector.recompute import CLASS_MIN  # noqa: E402
+from kvtier.connector.plan.recompute import CLASS_MIN  # noqa: E402
 from kvtier.connector.scheduler import SHARE_EVERY_S, SchedulerSide  # noqa: E402
 from kvtier.connector.stats import KVTierPromMetrics  # noqa: E402
 from kvtier.connector.worker import WorkerSide  # noqa: E402

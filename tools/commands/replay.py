@@ -226,8 +226,8 @@ def replay(
             eviction=eviction, admission=admission, seed=seed, traces=traces, out=out,
             calibration=calibration, hosts=hosts, shared_fs=shared_fs))
     if engine is not None:
-        ce.run_and_show(ce.EngineSpec(
-            engine=engine, workload=_traced((_one_workload(workload),), traces)[0],
+        spec = ce.EngineSpec(
+            engine=engine, workload=_one_workload(workload),
             instances=tuple(int(x) for x in _floats(instances, "--instances")),
             router=router, sessions=sessions or 8, live=live, turns=turns, scale=scale,
             speed=speed, dram=_floats(dram, "--dram"),
@@ -236,14 +236,16 @@ def replay(
             max_context=max_context, max_batch=max_batch, side_by_side=side_by_side,
             pool=pool, multiproc=multiproc, dtype=dtype, eviction=eviction,
             admission=admission, seed=seed, traces=traces, out=out,
-            calibration=calibration, hosts=hosts, shared_fs=shared_fs), json_out, plots)
+            calibration=calibration, hosts=hosts, shared_fs=shared_fs)
+        _traced((spec.workload,), traces)  # after the arguments' own checks
+        ce.run_and_show(spec, json_out, plots)
         return
     if not simulate:
         raise ReplayError("choose a mode: --simulate (policy-only), --engine vllm|sim, or "
                           "--calibrate")
     sessions = sessions or 64
     spec = RunSpec(
-        workloads=_traced(_workloads(workload), traces), policies=_policies(policies),
+        workloads=_workloads(workload), policies=_policies(policies),
         capacities=_floats(capacities, "--capacities"),
         tiered=None if tiered == "none" else _floats(tiered, "--tiered", 3),
         traces=traces, synthetic=SyntheticSpec(sessions=sessions, live=live or sessions,
@@ -253,6 +255,7 @@ def replay(
         gap_classes=_gap_classes(gap_classes), gap_info=gap_info, time_scale=time_scale,
         population=population,
         sim=SimParams(bytes_per_token=bytes_per_token, prefill_tokens_per_s=prefill_tps))
+    _traced(spec.workloads, traces)  # after the arguments' own checks
     console = Console(width=max(Console().width, 130))  # tables stay readable in logs
     with Progress("[progress.description]{task.description}", BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), console=console,
