@@ -744,6 +744,9 @@ class SchedulerSide:
                                  "saved_chunks": st.saved_chunks, "loads": dict(st.loads)}}
 
     def get_stats(self) -> KVTierStats | None:
+        deferred = self.lookups.take_deferred()
+        if deferred:
+            self.stats.add("lookups_deferred", deferred)
         return self.stats.take()
 
     def shutdown(self) -> None:

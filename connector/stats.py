@@ -6,8 +6,9 @@ per-batch durations. Counter names: `hit_tokens:<tier>` (scheduler, tokens loade
 tier, counted once the workers say they landed), `recomputed_tokens` (scheduler: promised,
 then recomputed), `declined_tokens` (scheduler: found, recomputed because loading them
 would have taken longer), `lookups`, `lookup_tokens` (tokens asked for),
-`lookups_given_up` (lookups still unanswered when waiting had cost what recomputing the
-request would: the request was computed), `load_bytes`,
+`lookups_deferred` (lookups not answered within the scheduler's inline wait: their
+request waited a step or more), `lookups_given_up` (lookups still unanswered when waiting
+had cost what recomputing the request would: the request was computed), `load_bytes`,
 `load_chunks`, `load_in_place_chunks` (of those, scattered straight from a pool segment file),
 `load_error_blocks`, `load_late_chunks` (chunks not loaded by their deadline),
 `load_late_starts` (load batches that started past the time their deadline left them, and
@@ -83,6 +84,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
 
     _COUNTERS = {
         "lookup_tokens": "Prompt tokens kvtier was asked about",
+        "lookups_deferred": "Lookups that took longer than the scheduler's inline wait: "
+                            "their request waited a step or more",
         "lookups_given_up": "Lookups given up unanswered (a tier that hangs): the request "
                             "was computed",
         "load_bytes": "Bytes loaded from kvtier into the paged KV cache",

@@ -12,12 +12,21 @@ schedules the other requests meanwhile). A lookup still unanswered when waiting 
 cost what recomputing the request's tokens would (its budget) is given up: the request is
 computed, and its lookup left to end on its thread (later lookups queue behind it, each
 with a budget of its own).
+
+A lookup that is only slow is not given up: the budget is never under `PATIENCE` times what
+this host's recent lookups took (their 90th percentile, from the ask to the answer). On a
+loaded host (four CPU engines on two cores, the main job's replay) healthy lookups took
+40-180 ms, starved by the engines' forwards, and giving those up at their recompute cost
+hits that were a few milliseconds away; a master that hangs still costs a request about its
+recompute, as lookups before it answered in milliseconds.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -29,6 +38,8 @@ from typing import Any, Callable, Hashable
 INLINE_S = 0.01
 
 PENDING = object()  # `answer`: no answer yet; ask again at the next step
+PATIENCE = 4.0  # a lookup is given up no sooner than this many times the recent 90th pct.
+RECENT = 64     # answered lookups that percentile is over
 
 
 class LookupGaveUp(Exception):
@@ -41,6 +52,8 @@ class _Asked:
     call: Future
     since: float
     until: float
+    deferred: bool = False
+    given_up: bool = False
 
 
 class Lookups:
@@ -50,24 +63,56 @@ class Lookups:
         self.inline_s = inline_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
         self._asked: dict[str, _Asked] = {}
+        self._recent: deque[float] = deque(maxlen=RECENT)  # answered: ask to answer, s
+        self._lock = threading.Lock()
+        self._deferred = 0
+
+    def patience(self) -> float:
+        """The least a lookup is waited for before it is given up, whatever its budget:
+        `PATIENCE` times the 90th percentile of the recent answered lookups (0 before any)."""
+        with self._lock:
+            recent = sorted(self._recent)
+        return PATIENCE * recent[int(0.9 * (len(recent) - 1))] if recent else 0.0
+
+    def take_deferred(self) -> int:
+        """Lookups answered "not yet" at least once since the last call."""
+        n, self._deferred = self._deferred, 0
+        return n
+
+    def _start(self, what: Hashable, fn: Callable[[], Any], now: float,
+               budget_s: float) -> _Asked:
+        asked = _Asked(what, self._pool.submit(fn), now, now + max(budget_s, self.patience()))
+
+        def done(_call: Future) -> None:  # on the lookup thread
+            if not asked.given_up:  # a hang's length says nothing of the next lookup's
+                with self._lock:
+                    self._recent.append(time.monotonic() - asked.since)
+
+        asked.call.add_done_callback(done)
+        return asked
 
     def answer(self, rid: str, what: Hashable, fn: Callable[[], Any],
                budget_s: float = math.inf) -> Any:
         """`fn()`'s result (its exception raised) for request `rid`; `PENDING` while it runs.
         The first ask about `what` starts `fn` (asked again about something else, the old
-        answer is dropped); past `budget_s` from then, `LookupGaveUp`."""
+        answer is dropped); past `budget_s` from then (and `patience()`), `LookupGaveUp`."""
         asked = self._asked.get(rid)
         now = time.monotonic()
         if asked is None or asked.what != what:
-            asked = self._asked[rid] = _Asked(what, self._pool.submit(fn), now, now + budget_s)
+            asked = self._asked[rid] = self._start(what, fn, now, budget_s)
         try:
             result = asked.call.result(timeout=max(0.0, min(self.inline_s, asked.until - now)))
         except FutureTimeout:
             if time.monotonic() < asked.until:
+                if not asked.deferred:
+                    asked.deferred = True
+                    self._deferred += 1
                 return PENDING
+            asked.given_up = True
             del self._asked[rid]
             raise LookupGaveUp(f"no answer in {time.monotonic() - asked.since:.3f}s "
-                               f"(budget {budget_s:.3f}s)") from None
+                               f"(budget {budget_s:.3f}s, "
+                               f"waited {asked.until - asked.since:.3f}s)") from None
         except BaseException:
             del self._asked[rid]
             raise

@@ -4,12 +4,13 @@ longer than the inline wait."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
 import pytest
 
-from kvtier.connector.plan.lookups import PENDING, LookupGaveUp, Lookups
+from kvtier.connector.plan.lookups import PATIENCE, PENDING, LookupGaveUp, Lookups
 from kvtier.store.base.errors import TierUnavailableError
 
 
@@ -48,7 +49,8 @@ def test_a_lookup_past_its_budget_is_given_up_and_the_next_one_runs(lookups):
     release = threading.Event()
     assert lookups.answer("r1", (4, 0), lambda: release.wait(10), budget_s=0.05) is PENDING
     time.sleep(0.06)
-    with pytest.raises(LookupGaveUp, match=r"no answer in 0\.\d+s \(budget 0\.050s\)"):
+    with pytest.raises(LookupGaveUp, match=r"no answer in 0\.\d+s \(budget 0\.050s, "
+                                          r"waited 0\.050s\)"):
         lookups.answer("r1", (4, 0), lambda: "unused", budget_s=0.05)
     assert lookups.pending() == 0
     # the next lookup queues behind the one that hangs, with its own budget
@@ -101,3 +103,34 @@ def test_a_request_that_ended_leaves_nothing_behind(lookups):
     lookups.forget("r1")
     assert lookups.pending() == 0
     release.set()
+
+
+def until_answered(lookups, rid, what, fn, budget_s=math.inf):
+    deadline = time.monotonic() + 10
+    while (got := lookups.answer(rid, what, fn, budget_s)) is PENDING:
+        assert time.monotonic() < deadline
+    return got
+
+
+def test_a_lookup_as_slow_as_the_recent_ones_is_not_given_up(lookups):
+    """A loaded host answers every lookup slowly: one is given up only past `PATIENCE`
+    times what the recent ones took, whatever its budget; a hang given up does not count
+    in what lookups take, and each lookup answered "not yet" is counted once."""
+    assert lookups.patience() == 0.0
+    for i in range(5):  # answered after ~40 ms each, deferred each (inline wait 20 ms)
+        assert until_answered(lookups, f"r{i}", (4, 0), lambda: time.sleep(0.04) or "ok") == "ok"
+    assert lookups.take_deferred() == 5 and lookups.take_deferred() == 0
+    assert 0.04 * PATIENCE <= lookups.patience() < 0.5 * PATIENCE
+    t0 = time.monotonic()
+    assert until_answered(lookups, "slow", (4, 0), lambda: time.sleep(0.06) or "ok",
+                          budget_s=0.001) == "ok"  # past its budget, within the patience
+    release = threading.Event()
+    with pytest.raises(LookupGaveUp):
+        until_answered(lookups, "hang", (4, 0), lambda: release.wait(10), budget_s=0.001)
+    waited = time.monotonic() - t0
+    assert waited >= 0.04 * PATIENCE, waited
+    before = lookups.patience()
+    release.set()
+    assert until_answered(lookups, "next", (4, 0), lambda: "ok") == "ok"
+    time.sleep(0.05)  # the hang's call ends and is not counted
+    assert lookups.patience() <= before
