@@ -14,11 +14,12 @@ computed, and its lookup left to end on its thread (later lookups queue behind i
 with a budget of its own).
 
 A lookup that is only slow is not given up: the budget is never under `PATIENCE` times what
-this host's recent lookups took (their 90th percentile, from the ask to the answer). On a
-loaded host (four CPU engines on two cores, the main job's replay) healthy lookups took
-40-180 ms, starved by the engines' forwards, and giving those up at their recompute cost
-hits that were a few milliseconds away; a master that hangs still costs a request about its
-recompute, as lookups before it answered in milliseconds.
+this host's recent lookups took to run (their 90th percentile), times one more for each
+lookup still queued ahead of it. On a loaded host (four CPU engines on two cores, the main
+job's replay) healthy lookups took 40-180 ms, starved by the engines' forwards, and giving
+those up at their recompute cost hits that were a few milliseconds away; a master that
+hangs still costs a request about its recompute, as lookups before it ran in milliseconds.
+A lookup given up is not counted in those times, nor is the wait of one queued behind it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 # The most a lookup may hold the scheduler's thread. A healthy lookup of a 16K-token prompt
@@ -49,9 +50,9 @@ class LookupGaveUp(Exception):
 @dataclass
 class _Asked:
     what: Hashable       # the question (a request asked again about the same thing reuses it)
-    call: Future
     since: float
     until: float
+    call: Future = field(default_factory=Future)
     deferred: bool = False
     given_up: bool = False
 
@@ -63,13 +64,14 @@ class Lookups:
         self.inline_s = inline_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
         self._asked: dict[str, _Asked] = {}
-        self._recent: deque[float] = deque(maxlen=RECENT)  # answered: ask to answer, s
+        self._recent: deque[float] = deque(maxlen=RECENT)  # answered lookups' run times, s
         self._lock = threading.Lock()
         self._deferred = 0
 
     def patience(self) -> float:
-        """The least a lookup is waited for before it is given up, whatever its budget:
-        `PATIENCE` times the 90th percentile of the recent answered lookups (0 before any)."""
+        """The least a lookup with none queued ahead of it is waited for before it is given
+        up, whatever its budget: `PATIENCE` times the 90th percentile of the recent answered
+        lookups' run times (0 before any)."""
         with self._lock:
             recent = sorted(self._recent)
         return PATIENCE * recent[int(0.9 * (len(recent) - 1))] if recent else 0.0
@@ -81,14 +83,19 @@ class Lookups:
 
     def _start(self, what: Hashable, fn: Callable[[], Any], now: float,
                budget_s: float) -> _Asked:
-        asked = _Asked(what, self._pool.submit(fn), now, now + max(budget_s, self.patience()))
+        ahead = sum(not a.call.done() for a in self._asked.values())
+        asked = _Asked(what, now, now + max(budget_s, self.patience() * (1 + ahead)))
 
-        def done(_call: Future) -> None:  # on the lookup thread
-            if not asked.given_up:  # a hang's length says nothing of the next lookup's
-                with self._lock:
-                    self._recent.append(time.monotonic() - asked.since)
+        def timed() -> Any:  # on the lookup thread
+            t0 = time.monotonic()
+            try:
+                return fn()
+            finally:
+                if not asked.given_up:  # a hang's length says nothing of the next lookup's
+                    with self._lock:
+                        self._recent.append(time.monotonic() - t0)
 
-        asked.call.add_done_callback(done)
+        asked.call = self._pool.submit(timed)
         return asked
 
     def answer(self, rid: str, what: Hashable, fn: Callable[[], Any],
