@@ -117,18 +117,18 @@ def test_a_lookup_as_slow_as_the_recent_ones_is_not_given_up(lookups):
     times what the recent ones took, whatever its budget; a hang given up does not count
     in what lookups take, and each lookup answered "not yet" is counted once."""
     assert lookups.patience() == 0.0
-    for i in range(5):  # answered after ~40 ms each, deferred each (inline wait 20 ms)
-        assert until_answered(lookups, f"r{i}", (4, 0), lambda: time.sleep(0.04) or "ok") == "ok"
+    for i in range(5):  # answered after ~0.1 s each, deferred each (inline wait 20 ms)
+        assert until_answered(lookups, f"r{i}", (4, 0), lambda: time.sleep(0.1) or "ok") == "ok"
     assert lookups.take_deferred() == 5 and lookups.take_deferred() == 0
-    assert 0.04 * PATIENCE <= lookups.patience() < 0.5 * PATIENCE
+    assert 0.1 * PATIENCE <= lookups.patience() < 1.0 * PATIENCE
     t0 = time.monotonic()
-    assert until_answered(lookups, "slow", (4, 0), lambda: time.sleep(0.06) or "ok",
+    assert until_answered(lookups, "slow", (4, 0), lambda: time.sleep(0.12) or "ok",
                           budget_s=0.001) == "ok"  # past its budget, within the patience
     release = threading.Event()
     with pytest.raises(LookupGaveUp):
         until_answered(lookups, "hang", (4, 0), lambda: release.wait(10), budget_s=0.001)
     waited = time.monotonic() - t0
-    assert waited >= 0.04 * PATIENCE, waited
+    assert waited >= 0.1 * PATIENCE, waited
     before = lookups.patience()
     release.set()
     assert until_answered(lookups, "next", (4, 0), lambda: "ok") == "ok"
