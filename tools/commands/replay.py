@@ -57,11 +57,9 @@ def _workloads(names: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-TRACE_FILES = {"weka": "weka_cc_traces", "conversation": "conversation_trace.jsonl"}
-
-
 def _traced(workloads: tuple[str, ...], traces: Path) -> tuple[str, ...]:
     """`workloads`, once the traces they replay are known to be under `traces`."""
+    from kvtier.tools.workload.traces import TRACE_FILES
     for w in workloads:
         path = traces / TRACE_FILES.get(w, "")
         if w in TRACE_FILES and not path.exists():

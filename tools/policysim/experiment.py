@@ -42,7 +42,8 @@ from kvtier.tools.policysim.segments import Compiled, compile_workload
 from kvtier.tools.policysim.tiered import TieredReplay
 from kvtier.tools.workload.generators import GENERATORS, retime
 from kvtier.tools.workload.synthetic import SyntheticSpec, synthetic
-from kvtier.tools.workload.traces import Workload, load_mooncake, load_weka, restrict_gap_classes
+from kvtier.tools.workload.traces import (TRACE_FILES, Workload, load_mooncake, load_weka,
+                                          restrict_gap_classes)
 
 CLASSIC = ("lru", "s3fifo", "arc")
 SELECTED = "agentic+select"
@@ -83,7 +84,7 @@ def load(name: str, spec: RunSpec) -> Compiled:
     if name in GENERATORS:
         return compile_workload(retime(GENERATORS[name](spec.seed, population=spec.population),
                                         spec.time_scale), 16)
-    path = spec.traces / ("weka_cc_traces" if name == "weka" else "conversation_trace.jsonl")
+    path = spec.traces / TRACE_FILES[name]
     key = _cache_key(name, path, spec)
     cached = kvtier_home() / "replay-cache" / f"{name}-{key}.npz"
     if spec.cache and cached.exists():

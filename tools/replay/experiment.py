@@ -132,7 +132,7 @@ def bytes_per_token(dtype: str) -> int:
 
 def build_plan(spec: EngineSpec, sessions: int) -> Plan:
     from kvtier.tools.workload.synthetic import SyntheticSpec, synthetic
-    from kvtier.tools.workload.traces import load_mooncake, load_weka
+    from kvtier.tools.workload.traces import TRACE_FILES, load_mooncake, load_weka
     pspec = PlanSpec(block_tokens=spec.chunk_tokens, max_context=spec.max_context,
                      max_output=spec.max_output, turns=spec.turns, seed=spec.seed)
     if spec.workload == "synthetic":
@@ -146,10 +146,10 @@ def build_plan(spec: EngineSpec, sessions: int) -> Plan:
         return replace(make_plan(work, pspec, scale=1.0), scale=s)
     if spec.workload == "weka":
         trace_block = max(64, round(spec.chunk_tokens / spec.scale / 64) * 64)
-        work = load_weka(spec.traces / "weka_cc_traces", trace_block,
+        work = load_weka(spec.traces / TRACE_FILES["weka"], trace_block,
                          spec.live or min(sessions, 32), spec.seed, max_sessions=sessions)
         return make_plan(work, pspec)
-    work = load_mooncake(spec.traces / "conversation_trace.jsonl",
+    work = load_mooncake(spec.traces / TRACE_FILES["conversation"],
                          max_requests=sessions * spec.turns)
     return make_plan(work, replace(pspec, turns=None))
 

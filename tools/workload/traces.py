@@ -33,6 +33,8 @@ import numpy as np
 from kvtier.store.base.errors import KVTierError
 
 GAP_CLASSES = (None, "tool", "user")   # code 0, 1, 2 in `Workload.gap_class`
+# where each trace-backed workload lies under the traces folder (`--traces`)
+TRACE_FILES = {"weka": "weka_cc_traces", "conversation": "conversation_trace.jsonl"}
 _WEKA_STOP = {"tool_use": "tool", "end_turn": "user"}
 
 
