@@ -215,11 +215,15 @@ class SchedulerSide:
         first = num_computed // self.chunk
         held = min(first, limit)
         t0 = time.perf_counter()
-        # Waiting longer for the answer than recomputing what it could save is a loss; but
-        # never less than the inline wait, in which a healthy lookup answers (it also ties
-        # the request to its session, which a prompt held locally still needs).
-        budget = (max(self.lookups.inline_s, self.recompute.predict(
-            (limit - held) * self.chunk, held * self.chunk)) if self.deadlines else float("inf"))
+        def budget() -> float:  # asked once per lookup: a prediction is not free
+            # Waiting longer for the answer than recomputing what it could save is a loss;
+            # but never less than the inline wait, in which a healthy lookup answers (it also
+            # ties the request to its session, which a prompt held locally still needs).
+            if not self.deadlines:
+                return float("inf")
+            return max(self.lookups.inline_s, self.recompute.predict(
+                (limit - held) * self.chunk, held * self.chunk))
+
         try:
             found = self.lookups.answer(
                 request.request_id, (limit, held),

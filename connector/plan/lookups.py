@@ -51,6 +51,7 @@ class LookupGaveUp(Exception):
 class _Asked:
     what: Hashable       # the question (a request asked again about the same thing reuses it)
     since: float
+    budget: float
     until: float
     call: Future = field(default_factory=Future)
     deferred: bool = False
@@ -82,9 +83,10 @@ class Lookups:
         return n
 
     def _start(self, what: Hashable, fn: Callable[[], Any], now: float,
-               budget_s: float) -> _Asked:
+               budget_s: float | Callable[[], float]) -> _Asked:
+        budget = budget_s() if callable(budget_s) else budget_s
         ahead = sum(not a.call.done() for a in self._asked.values())
-        asked = _Asked(what, now, now + max(budget_s, self.patience() * (1 + ahead)))
+        asked = _Asked(what, now, budget, now + max(budget, self.patience() * (1 + ahead)))
 
         def timed() -> Any:  # on the lookup thread
             t0 = time.monotonic()
@@ -99,10 +101,11 @@ class Lookups:
         return asked
 
     def answer(self, rid: str, what: Hashable, fn: Callable[[], Any],
-               budget_s: float = math.inf) -> Any:
+               budget_s: float | Callable[[], float] = math.inf) -> Any:
         """`fn()`'s result (its exception raised) for request `rid`; `PENDING` while it runs.
         The first ask about `what` starts `fn` (asked again about something else, the old
-        answer is dropped); past `budget_s` from then (and `patience()`), `LookupGaveUp`."""
+        answer is dropped); past `budget_s` from then (and `patience()`), `LookupGaveUp`.
+        `budget_s` may be a function, called only when a lookup starts (not on each ask)."""
         asked = self._asked.get(rid)
         now = time.monotonic()
         if asked is None or asked.what != what:
@@ -118,7 +121,7 @@ class Lookups:
             asked.given_up = True
             del self._asked[rid]
             raise LookupGaveUp(f"no answer in {time.monotonic() - asked.since:.3f}s "
-                               f"(budget {budget_s:.3f}s, "
+                               f"(budget {asked.budget:.3f}s, "
                                f"waited {asked.until - asked.since:.3f}s)") from None
         except BaseException:
             del self._asked[rid]

@@ -134,3 +134,17 @@ def test_a_lookup_as_slow_as_the_recent_ones_is_not_given_up(lookups):
     assert until_answered(lookups, "next", (4, 0), lambda: "ok") == "ok"
     time.sleep(0.05)  # the hang's call ends and is not counted
     assert lookups.patience() <= before
+
+
+def test_a_budget_function_is_called_once_per_lookup_not_per_ask(lookups):
+    release, asked = threading.Event(), []
+
+    def budget():
+        asked.append(1)
+        return 10.0
+
+    assert lookups.answer("r1", (4, 0), lambda: release.wait(10) and "found", budget) is PENDING
+    assert lookups.answer("r1", (4, 0), lambda: "unused", budget) is PENDING
+    release.set()
+    assert until_answered(lookups, "r1", (4, 0), lambda: "unused", budget) == "found"
+    assert asked == [1]
